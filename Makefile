@@ -1,0 +1,66 @@
+# spectrain — the Makefile is the interface. `make help` lists the targets.
+SHELL := /bin/bash
+PY_BOOT ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# The CPU wheel lies on disk; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+QUICK ?=
+PYTEST_ARGS ?=
+KUBE_CACHE ?= $(HOME)/.cache/spectrain/kube
+
+.DEFAULT_GOAL := help
+.PHONY: help install test test-unit test-integration test-e2e lint typecheck verify demo demo-rl \
+        kube-binaries crds docs clean bench-ring bench-target bench-harvest bench-rollout bench-rl \
+        bench-basis_rotation bench-operator
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 22
+
+$(STAMP): pyproject.toml
+	$(PY_BOOT) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_PIN)" -e '.[operator,workloads,dev]'
+	touch $(STAMP)
+
+install: $(STAMP) ## create .venv with everything (CPU torch pinned)
+
+test: $(STAMP) kube-binaries ## unit + integration tests (real kube-apiserver, real processes)
+	$(PY) -m pytest tests -m "not e2e" $(PYTEST_ARGS)
+
+test-unit: $(STAMP) ## unit tests only (seconds)
+	$(PY) -m pytest tests -m unit $(PYTEST_ARGS)
+
+test-integration: $(STAMP) kube-binaries ## integration tier only
+	$(PY) -m pytest tests -m integration $(PYTEST_ARGS)
+
+test-e2e: $(STAMP) ## e2e against the cluster in KUBECONFIG
+	$(PY) -m pytest tests -m e2e --e2e $(PYTEST_ARGS)
+
+kube-binaries: ## build kube-apiserver + controller-manager 1.20 from Debian source once (cached in ~/.cache)
+	KUBE_CACHE=$(KUBE_CACHE) bash scripts/build-kube.sh
+
+lint: $(STAMP) ## ruff
+	$(VENV)/bin/ruff check operator workloads tests bench scripts
+
+typecheck: $(STAMP) ## mypy on the operator and the ring
+	$(VENV)/bin/mypy operator/spectrain_operator workloads/spectrain_workloads/ring.py
+
+verify: $(STAMP) ## regenerate derived files (helm CRD copy, docs) and fail on a diff
+	$(PY) scripts/gen.py
+	@git diff --exit-code -- helm docs crds || (echo "derived files are stale: run 'python scripts/gen.py' and commit" && exit 1)
+	@test -z "$$(git status --porcelain -- helm docs crds)" || (git status --porcelain -- helm docs crds; echo "untracked derived files: commit them" && exit 1)
+
+demo: $(STAMP) ## run examples/demo.yaml locally (CPU, minutes) and print the headline figures
+	$(VENV)/bin/spectrain run examples/demo.yaml --run-dir runs/demo --report
+
+demo-rl: $(STAMP) ## run examples/demo-rl.yaml locally (mode RL)
+	$(VENV)/bin/spectrain run examples/demo-rl.yaml --run-dir runs/demo-rl --report
+
+bench-%: $(STAMP) ## run bench/<name>.py (QUICK=1 for the <60 s version); writes bench/results/<name>.json
+	$(PY) -m bench.$* $(if $(QUICK),--quick,)
+
+clean: ## remove the venv, runs and caches (not the kube binaries in ~/.cache)
+	rm -rf $(VENV) runs bench/results .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,212 @@
+"""The workload config: the SpecTrainJob spec (defaults applied) that the operator renders into
+the `<job>-config` ConfigMap and the local backend writes to a file. Path: $SPECTRAIN_CONFIG.
+
+File shape: {"apiVersion", "kind", "metadata": {"name", "namespace"}, "spec": {...}}. Field names
+are API.md's camelCase; dataclass attributes are snake_case. Unknown keys are kept out of the
+dataclasses (the operator validated them); missing keys take API.md's defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, get_type_hints
+
+from spectrain_workloads.errors import ConfigError
+
+WINDOW_KINDS = ("Bubble", "Communication", "Imbalance", "RolloutTail")
+
+
+@dataclass(kw_only=True)
+class Parallelism:
+    data: int = 1
+    pipeline: int = 1
+    microbatches: int = 1
+    schedule: str = "1F1B"
+
+
+@dataclass(kw_only=True)
+class ModelSpec:
+    preset: str = "debug"
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class DataSpec:
+    source: str = "builtin:python-stdlib"
+    seq_len: int = 256
+    batch_size: int = 8
+
+
+@dataclass(kw_only=True)
+class BasisRotationSpec:
+    refresh_every: int = 10
+    stage_aware: bool = True
+    geometry: str = "Bilateral"
+    source: str = "SecondMoment"
+
+
+@dataclass(kw_only=True)
+class OptimizerSpec:
+    name: str = "AdamW"
+    lr: float = 3e-4
+    basis_rotation: BasisRotationSpec = field(default_factory=BasisRotationSpec)
+
+
+@dataclass(kw_only=True)
+class CheckpointSpec:
+    claim_name: str = ""
+    every_steps: int = 100
+    keep: int = 3
+
+
+@dataclass(kw_only=True)
+class SpeculativeSpec:
+    enabled: bool = True
+    max_draft_tokens: int = 8
+    batch_threshold: int = 32
+    strategy: str = "Bandit"
+
+
+@dataclass(kw_only=True)
+class RLSpec:
+    task: str = "arithmetic"
+    group_size: int = 8
+    max_new_tokens: int = 512
+    temperature: float = 1.0
+    speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
+
+
+@dataclass(kw_only=True)
+class TargetSpec:
+    image: str = ""
+    nodes: int = 1
+    procs_per_node: int = 1
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    steps: int = 1000
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    rl: RLSpec | None = None
+
+
+@dataclass(kw_only=True)
+class ActivationSpec:
+    policy: str = "IdleOnly"
+    min_window_ms: float = 0
+    safety_margin_ms: float = 2
+    kinds: list[str] = field(default_factory=lambda: list(WINDOW_KINDS))
+
+
+@dataclass(kw_only=True)
+class GpuShareSpec:
+    active_thread_percentage: int = 30
+    pinned_memory_limit: str = "8Gi"
+
+
+@dataclass(kw_only=True)
+class DrafterOptimizerSpec:
+    lr: float = 1e-3
+
+
+@dataclass(kw_only=True)
+class ExportSpec:
+    claim_name: str = ""
+    path: str = "drafter"
+
+
+@dataclass(kw_only=True)
+class DrafterSpec:
+    enabled: bool = True
+    arch: str = "Eagle"
+    preset: str = "debug"
+    activation: ActivationSpec = field(default_factory=ActivationSpec)
+    gpu_share: GpuShareSpec = field(default_factory=GpuShareSpec)
+    optimizer: DrafterOptimizerSpec = field(default_factory=DrafterOptimizerSpec)
+    export: ExportSpec = field(default_factory=ExportSpec)
+    max_failures: int = 3
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    name: str = "local"
+    namespace: str = "default"
+    mode: str = "Pretrain"
+    target: TargetSpec = field(default_factory=TargetSpec)
+    drafter: DrafterSpec = field(default_factory=DrafterSpec)
+    seed: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.target.nodes * self.target.procs_per_node
+
+
+T = TypeVar("T")
+_CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
+
+
+def _snake(name: str) -> str:
+    return _CAMEL.sub("_", name).lower()
+
+
+def _build(cls: type[T], data: Any, path: str) -> T:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must be a mapping, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        attr = _snake(key)
+        if attr not in names or value is None:
+            continue
+        hint = hints[attr]
+        sub = _dataclass_in(hint)
+        kwargs[attr] = _build(sub, value, f"{path}.{key}") if sub is not None else value
+    return cls(**kwargs)
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    if dataclasses.is_dataclass(hint):
+        return hint  # type: ignore[return-value]
+    for arg in getattr(hint, "__args__", ()):
+        if dataclasses.is_dataclass(arg):
+            return arg  # type: ignore[return-value]
+    return None
+
+
+def from_manifest(manifest: dict[str, Any]) -> JobConfig:
+    """JobConfig from a SpecTrainJob object (or the rendered config file, same shape)."""
+    spec = manifest.get("spec") or {}
+    meta = manifest.get("metadata") or {}
+    cfg = JobConfig(
+        name=meta.get("name", "local"),
+        namespace=meta.get("namespace", "default"),
+        mode=spec.get("mode", "Pretrain"),
+        target=_build(TargetSpec, spec.get("target") or {}, "spec.target"),
+        drafter=_build(DrafterSpec, spec.get("drafter") or {}, "spec.drafter"),
+        seed=int(spec.get("seed", 0)),
+    )
+    return cfg
+
+
+def load(path: str | os.PathLike[str] | None = None) -> JobConfig:
+    """Load $SPECTRAIN_CONFIG (JSON or YAML)."""
+    path = path or os.environ.get("SPECTRAIN_CONFIG")
+    if not path:
+        raise ConfigError("SPECTRAIN_CONFIG is not set; point it at the rendered workload config file")
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"SPECTRAIN_CONFIG={p} does not exist or is not a file")
+    text = p.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        import yaml
+
+        data = yaml.safe_load(text)
+    return from_manifest(data)
