@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.presets import PRESETS
 
 
 @dataclass(kw_only=True)
@@ -71,13 +72,6 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "debug": dict(dim=64, n_layers=4, n_heads=4, max_seq_len=512),
-    "small": dict(dim=256, n_layers=8, n_heads=8, max_seq_len=1024),
-    "125m": dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, max_seq_len=2048),
-    "1b": dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, max_seq_len=4096),
-    "7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, max_seq_len=4096, ffn_dim=11008),
-}
 
 
 def model_config(preset: str, overrides: dict[str, Any] | None = None, **fixed: Any) -> ModelConfig:
