@@ -114,9 +114,9 @@ def rope_cache(seq_len: int, head_dim: int, theta: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, n, d]; cache: [T, d/2, 2] already indexed by position."""
+    """x: [B, T, n, d]; cache: [T, d/2, 2] (shared positions) or [B, T, d/2, 2] (per-row positions)."""
     xs = x.float().reshape(*x.shape[:-1], -1, 2)           # [B, T, n, d/2, 2]
-    c = cache.view(1, xs.size(1), 1, xs.size(3), 2)
+    c = cache.reshape(-1, xs.size(1), 1, xs.size(3), 2)     # [1 or B, T, 1, d/2, 2]
     out = torch.stack(
         [xs[..., 0] * c[..., 0] - xs[..., 1] * c[..., 1], xs[..., 1] * c[..., 0] + xs[..., 0] * c[..., 1]],
         dim=-1,
@@ -134,9 +134,14 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # pos: [T] positions shared by the batch; k, v: [B, n_kv, T, d]
-        self.k[:, :, pos] = k
-        self.v[:, :, pos] = v
+        # pos: [T] positions shared by the batch, or [B, T] per-row positions; k, v: [B, n_kv, T, d]
+        if pos.dim() == 1:
+            self.k[:, :, pos] = k
+            self.v[:, :, pos] = v
+        else:
+            rows = torch.arange(k.size(0), device=pos.device)[:, None]   # [B, 1]
+            self.k[rows, :, pos] = k.transpose(1, 2)                      # indexed view [B, T, n_kv, d]
+            self.v[rows, :, pos] = v.transpose(1, 2)
         return self.k, self.v
 
 
@@ -273,8 +278,8 @@ class Transformer(nn.Module):
     ) -> Any:
         """x: tokens [B, T] on the first stage, hidden [B, T, H] otherwise.
 
-        pos: [T] absolute positions when decoding with KV caches (then `mask` [B or 1, 1, T, maxT]
-        must be given); None for training (positions 0..T-1, causal).
+        pos: [T] absolute positions when decoding with KV caches, or [B, T] per-row positions
+        (then `mask` [B or 1, 1, T, maxT] must be given); None for training (positions 0..T-1, causal).
         """
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         T = h.size(1)
@@ -304,8 +309,12 @@ def _full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def causal_decode_mask(pos: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Boolean mask [1, 1, T, max_len]: query at pos[i] sees cache slots <= pos[i]."""
-    return (torch.arange(max_len, device=pos.device)[None, :] <= pos[:, None])[None, None]
+    """Boolean mask: query at pos[i] sees cache slots <= pos[i].
+
+    pos [T] -> [1, 1, T, max_len]; per-row pos [B, T] -> [B, 1, T, max_len].
+    """
+    m = torch.arange(max_len, device=pos.device) <= pos[..., None]   # [(B,) T, max_len]
+    return m[None, None] if pos.dim() == 1 else m[:, None]
 
 
 def count_params(module: nn.Module) -> int:

@@ -1,0 +1,116 @@
+{{/* Chart name, truncated to a DNS label. */}}
+{{- define "spectrain-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name: <release>-<chart> unless the release already contains the chart name. */}}
+{{- define "spectrain-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "spectrain-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "spectrain-operator.labels" -}}
+helm.sh/chart: {{ include "spectrain-operator.chart" . }}
+{{ include "spectrain-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: spectrain
+{{- end }}
+
+{{/* Labels the Deployment, PDB and Service select pods by. */}}
+{{- define "spectrain-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "spectrain-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "spectrain-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "spectrain-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "spectrain-operator.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when kopf peering is on: forced by peering.enabled, or auto with replicaCount > 1. */}}
+{{- define "spectrain-operator.peering" -}}
+{{- $p := .Values.peering.enabled }}
+{{- if eq (toString $p) "auto" }}
+{{- if gt (int .Values.replicaCount) 1 }}true{{ else }}false{{ end }}
+{{- else if $p }}true{{ else }}false{{ end }}
+{{- end }}
+
+{{/* The operator's rules on namespaced resources (a ClusterRole cluster-wide, a Role per watched namespace). */}}
+{{- define "spectrain-operator.namespacedRules" -}}
+# SpecTrainJobs: watched by kopf, which patches its finalizer and bookkeeping annotations;
+# the reconciler reads one fresh per pass, deletes it after ttlSecondsAfterFinished and writes
+# the status subresource. Never created.
+- apiGroups: ["spectrain.io"]
+  resources: ["spectrainjobs"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
+- apiGroups: ["spectrain.io"]
+  resources: ["spectrainjobs/status"]
+  verbs: ["patch"]
+# Pods: one per node. Listed by the job's label each pass, watched for kubelet updates, created
+# and deleted (restart, suspend, failure). `patch` is never used by the operator itself, but the
+# per-job Role below grants it to the job's pods, and RBAC lets a subject grant only what it holds.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["create", "list", "watch", "delete", "patch"]
+# Children created once per job (create-or-get: 409 AlreadyExists is success); the garbage
+# collector deletes them through their ownerReferences, so no get/patch/delete is needed.
+- apiGroups: [""]
+  resources: ["configmaps", "services", "serviceaccounts"]
+  verbs: ["create"]
+# The per-job status path: a Role allowing `patch` on the job's own pods and its RoleBinding.
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["create"]
+# spec.target.checkpoint.claimName / drafter.export.claimName / pvc:// data: checked to exist
+# before anything is created (a missing claim is SpecInvalid, not a Pending pod).
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get"]
+# Events on the SpecTrainJob (phase changes, restarts, failures; kopf's handler events).
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- if .Values.features.dra }}
+# gpuSharing.mode DRA: a ResourceClaimTemplate per job (MPS sharing config), owned by the job.
+- apiGroups: ["resource.k8s.io"]
+  resources: ["resourceclaimtemplates"]
+  verbs: ["create"]
+{{- end }}
+{{- if has "SchedulerPlugins" .Values.features.gangProviders }}
+# scheduling.gang.provider SchedulerPlugins (coscheduling): a PodGroup per job, owned by the job.
+- apiGroups: ["scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["create"]
+{{- end }}
+{{- if has "Volcano" .Values.features.gangProviders }}
+# scheduling.gang.provider Volcano: a PodGroup per job, owned by the job.
+- apiGroups: ["scheduling.volcano.sh"]
+  resources: ["podgroups"]
+  verbs: ["create"]
+{{- end }}
+{{- end }}

@@ -1,0 +1,83 @@
+"""`python -m spectrain_operator`: run the operator (kopf) with the handlers of handlers.py.
+
+    python -m spectrain_operator                      # all namespaces
+    python -m spectrain_operator --namespace team-a   # only these namespaces (repeatable, globs ok)
+    python -m spectrain_operator --standalone         # no peering (single replica, tests)
+
+HA: run two replicas with the same --peering name (needs kopf's KopfPeering/ClusterKopfPeering
+CRDs); only the highest --priority replica handles objects, the other takes over when it dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import sys
+
+import kopf
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m spectrain_operator", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", "--namespace", action="append", default=[],
+                    help="namespace to watch (repeatable; glob patterns allowed); default: all namespaces")
+    ap.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (the default)")
+    ap.add_argument("--standalone", action="store_true", help="no peering: this replica always handles objects")
+    ap.add_argument("--peering", default=None, help="peering name shared by the replicas (HA)")
+    ap.add_argument("--priority", default=os.environ.get("SPECTRAIN_PEERING_PRIORITY", "0"),
+                    help="peering priority of this replica: an integer, or 'random' (a distinct draw per "
+                         "replica, for Deployments whose replicas share one pod spec); env SPECTRAIN_PEERING_PRIORITY")
+    ap.add_argument("--peering-lifetime", type=int,
+                    default=int(os.environ.get("SPECTRAIN_PEERING_LIFETIME", "60")),
+                    help="seconds a replica's peering record lives without keep-alives: a killed active "
+                         "replica is replaced after at most this; env SPECTRAIN_PEERING_LIFETIME")
+    ap.add_argument("--log-format", choices=["plain", "json"], default="plain",
+                    help="json: one JSON object per log line (structured logs)")
+    ap.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                    help="liveness endpoint URL ('' to disable)")
+    ap.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--debug", action="store_true")
+    args = ap.parse_args(argv)
+    if args.all_namespaces and args.namespace:
+        ap.error("--all-namespaces and --namespace exclude each other")
+    if args.priority == "random":
+        args.priority = random.SystemRandom().randint(1, 2**31 - 1)
+    try:
+        args.priority = int(args.priority)
+    except ValueError:
+        ap.error(f"--priority must be an integer or 'random', not {args.priority!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.log_format == "plain":
+        logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kopf.configure(verbose=args.verbose, debug=args.debug,
+                   log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL)
+
+    @kopf.on.startup()
+    def _peering_settings(settings: kopf.OperatorSettings, **_: object) -> None:
+        settings.peering.lifetime = args.peering_lifetime
+
+    from spectrain_operator import handlers, metrics  # noqa: F401  (registers the handlers)
+
+    metrics.serve(args.metrics_port)
+    kopf.run(
+        standalone=args.standalone,
+        namespaces=args.namespace,
+        clusterwide=not args.namespace,
+        liveness_endpoint=args.liveness or None,
+        peering_name=args.peering,
+        priority=args.priority,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

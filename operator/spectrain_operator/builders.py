@@ -1,0 +1,287 @@
+"""Pure builders: SpecTrainJob (a dict) -> the manifests the operator creates. No API calls, no
+clock, no randomness: the same job always renders the same objects (`spectrain render` prints them,
+the local backend runs them, the operator creates them).
+
+Children (API.md): `<job>-config` ConfigMap (key config.json = the manifest with its spec
+defaulted), `<job>` headless Service, `<job>-status` ServiceAccount/Role/RoleBinding (the status
+path of docs/design.md), one Pod `<job>-<node>` per node with container `target` and the drafter as
+a native-sidecar init container, plus whatever gpu_sharing / scheduling add (ResourceClaimTemplate,
+PodGroup). Pod layout, env and volumes: docs/contracts.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from spectrain_operator import spec as specmod
+
+Obj = dict[str, Any]
+
+LABEL_JOB = "spectrain.io/job-name"
+LABEL_NODE = "spectrain.io/node-index"
+LABEL_GENERATION = "spectrain.io/restart-generation"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGER = "spectrain-operator"
+ANNOTATION_PROGRESS = "spectrain.io/progress"
+ANNOTATION_DRAFTER = "spectrain.io/drafter"
+
+CONFIG_DIR = "/etc/spectrain"
+CONFIG_KEY = "config.json"
+RING_DIR = "/var/run/spectrain/ring"
+RUN_DIR = "/var/run/spectrain/run"
+EXPORT_DIR = "/var/run/spectrain/export"
+DATA_ROOT = "/var/run/spectrain/data"
+MASTER_PORT = 29500
+TARGET_METRICS_PORT = 9400
+DRAFTER_METRICS_PORT = 9401
+TARGET_COMMAND = ["spectrain-target"]
+DRAFTER_COMMAND = ["spectrain-drafter"]
+
+
+# ---------------------------------------------------------------- names
+
+def config_name(job: Obj) -> str:
+    return f"{job['metadata']['name']}-config"
+
+
+def service_name(job: Obj) -> str:
+    return str(job["metadata"]["name"])
+
+
+def status_account_name(job: Obj) -> str:
+    return f"{job['metadata']['name']}-status"
+
+
+def pod_name(job: Obj, node: int) -> str:
+    return f"{job['metadata']['name']}-{node}"
+
+
+def pod_names(job: Obj) -> list[str]:
+    return [pod_name(job, n) for n in range(int(job["spec"]["target"]["nodes"]))]
+
+
+def job_labels(job: Obj) -> dict[str, str]:
+    return {LABEL_JOB: str(job["metadata"]["name"]), LABEL_MANAGED_BY: MANAGER}
+
+
+def selector(job: Obj) -> str:
+    """Label selector of every child of the job."""
+    return f"{LABEL_JOB}={job['metadata']['name']}"
+
+
+def owner_reference(job: Obj) -> Obj:
+    return {"apiVersion": specmod.API_VERSION, "kind": specmod.KIND, "name": job["metadata"]["name"],
+            "uid": job["metadata"]["uid"], "controller": True}
+
+
+def _meta(job: Obj, name: str, labels: dict[str, str] | None = None) -> Obj:
+    meta: Obj = {"name": name, "namespace": job["metadata"].get("namespace", "default"),
+                 "labels": {**job_labels(job), **(labels or {})}}
+    if job["metadata"].get("uid"):
+        meta["ownerReferences"] = [owner_reference(job)]
+    return meta
+
+
+# ---------------------------------------------------------------- non-pod children
+
+def workload_config(job: Obj) -> Obj:
+    """The rendered workload config (shape: spectrain_workloads.config)."""
+    return {"apiVersion": specmod.API_VERSION, "kind": specmod.KIND,
+            "metadata": {"name": job["metadata"]["name"], "namespace": job["metadata"].get("namespace", "default")},
+            "spec": copy.deepcopy(job["spec"])}
+
+
+def config_map(job: Obj) -> Obj:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, config_name(job)),
+            "data": {CONFIG_KEY: json.dumps(workload_config(job), sort_keys=True, indent=2)}}
+
+
+def service(job: Obj) -> Obj:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(job, service_name(job)),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {LABEL_JOB: job["metadata"]["name"]},
+                     "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT,
+                                "protocol": "TCP"}]}}
+
+
+def status_rbac(job: Obj) -> list[Obj]:
+    """ServiceAccount + Role (patch only its own pods, by name) + RoleBinding for the status path."""
+    name = status_account_name(job)
+    ns = job["metadata"].get("namespace", "default")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(job, name)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(job, name),
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"],
+                    "resourceNames": pod_names(job)}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(job, name),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]},
+    ]
+
+
+# ---------------------------------------------------------------- pods
+
+def drafter_runs(job: Obj, drafter_disabled: bool = False) -> bool:
+    return bool(job["spec"]["drafter"]["enabled"]) and not drafter_disabled
+
+
+def export_dir(job: Obj) -> str:
+    export = job["spec"]["drafter"]["export"]
+    base = EXPORT_DIR if export["claimName"] else RUN_DIR
+    return f"{base}/{export['path']}"
+
+
+def _env(job: Obj, node: int, drafter_on: bool, metrics_port: int) -> list[Obj]:
+    t = job["spec"]["target"]
+    name = job["metadata"]["name"]
+    ns = job["metadata"].get("namespace", "default")
+    procs = int(t["procsPerNode"])
+    env: list[Obj] = [
+        {"name": "SPECTRAIN_CONFIG", "value": f"{CONFIG_DIR}/{CONFIG_KEY}"},
+        {"name": "SPECTRAIN_RING_DIR", "value": RING_DIR},
+        {"name": "SPECTRAIN_RUN_DIR", "value": RUN_DIR},
+        {"name": "SPECTRAIN_EXPORT_DIR", "value": export_dir(job)},
+        {"name": "SPECTRAIN_DATA_ROOT", "value": DATA_ROOT},
+        {"name": "SPECTRAIN_JOB_NAME", "value": name},
+        {"name": "SPECTRAIN_DRAFTER_ENABLED", "value": "1" if drafter_on else "0"},
+        {"name": "SPECTRAIN_DEVICE", "value": "auto"},
+        {"name": "SPECTRAIN_METRICS_PORT", "value": str(metrics_port)},
+        {"name": "SPECTRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "SPECTRAIN_POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "RANK", "value": str(node * procs)},
+        {"name": "NODE_RANK", "value": str(node)},
+        {"name": "WORLD_SIZE", "value": str(int(t["nodes"]) * procs)},
+        {"name": "LOCAL_WORLD_SIZE", "value": str(procs)},
+        {"name": "MASTER_ADDR", "value": f"{pod_name(job, 0)}.{service_name(job)}.{ns}.svc"},
+        {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
+    ]
+    return env
+
+
+def _mounts(job: Obj, *, data: bool) -> list[Obj]:
+    mounts: list[Obj] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "ring", "mountPath": RING_DIR},
+        {"name": "run", "mountPath": RUN_DIR},
+    ]
+    if job["spec"]["drafter"]["export"]["claimName"]:
+        mounts.append({"name": "export", "mountPath": EXPORT_DIR})
+    claim = specmod.data_claim(job["spec"])
+    if data and claim:
+        mounts.append({"name": "data", "mountPath": f"{DATA_ROOT}/{claim}", "readOnly": True})
+    return mounts
+
+
+def _volumes(job: Obj) -> list[Obj]:
+    s = job["spec"]
+    volumes: list[Obj] = [
+        {"name": "config", "configMap": {"name": config_name(job), "items": [{"key": CONFIG_KEY, "path": CONFIG_KEY}]}},
+        {"name": "ring", "emptyDir": {"medium": "Memory", "sizeLimit": s["ring"]["sizeLimit"]}},
+    ]
+    ckpt = s["target"]["checkpoint"]["claimName"]
+    volumes.append({"name": "run", "persistentVolumeClaim": {"claimName": ckpt}} if ckpt
+                   else {"name": "run", "emptyDir": {}})
+    if s["drafter"]["export"]["claimName"]:
+        volumes.append({"name": "export", "persistentVolumeClaim": {"claimName": s["drafter"]["export"]["claimName"]}})
+    claim = specmod.data_claim(s)
+    if claim:
+        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    return volumes
+
+
+def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = False) -> tuple[Obj, list[Obj]]:
+    """Pod `<job>-<node>` and the extra objects gpu_sharing / scheduling need for it."""
+    from spectrain_operator import gpu_sharing, scheduling
+
+    s = job["spec"]
+    t = s["target"]
+    d = s["drafter"]
+    drafter_on = drafter_runs(job, drafter_disabled)
+    target: Obj = {
+        "name": "target",
+        "image": t["image"],
+        "command": list(t.get("command") or TARGET_COMMAND),
+        "env": _env(job, node, drafter_on, TARGET_METRICS_PORT) + copy.deepcopy(t.get("env") or []),
+        "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": TARGET_METRICS_PORT, "protocol": "TCP"}],
+        "volumeMounts": _mounts(job, data=True),
+        "resources": copy.deepcopy(t.get("resources") or {}),
+    }
+    if t.get("args"):
+        target["args"] = list(t["args"])
+    init: list[Obj] = []
+    if drafter_on:
+        init.append({
+            "name": "drafter",
+            "image": d["image"] or t["image"],
+            "command": list(DRAFTER_COMMAND),
+            "restartPolicy": "Always",
+            "env": _env(job, node, True, DRAFTER_METRICS_PORT),
+            "volumeMounts": _mounts(job, data=False),
+            "resources": copy.deepcopy(d.get("resources") or {}),
+        })
+    labels = {LABEL_NODE: str(node), LABEL_GENERATION: str(generation)}
+    manifest: Obj = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": _meta(job, pod_name(job, node), labels),
+        "spec": {
+            "restartPolicy": "Never",
+            "hostname": pod_name(job, node),
+            "subdomain": service_name(job),
+            "serviceAccountName": status_account_name(job),
+            "automountServiceAccountToken": True,
+            "enableServiceLinks": False,
+            "initContainers": init,
+            "containers": [target],
+            "volumes": _volumes(job),
+        },
+    }
+    if not init:
+        del manifest["spec"]["initContainers"]
+    extras = list(gpu_sharing.apply(manifest, job)) + list(scheduling.apply(manifest, job))
+    for extra in extras:
+        meta = extra.setdefault("metadata", {})
+        meta.setdefault("namespace", job["metadata"].get("namespace", "default"))
+        meta["labels"] = {**job_labels(job), **(meta.get("labels") or {})}
+        if job["metadata"].get("uid"):
+            meta.setdefault("ownerReferences", [owner_reference(job)])
+    return manifest, extras
+
+
+def pods(job: Obj, *, generation: int = 0, drafter_disabled: bool = False,
+         nodes: list[int] | None = None) -> tuple[list[Obj], list[Obj]]:
+    """Pods for the given node indices (default all) and their deduplicated extra objects."""
+    out: list[Obj] = []
+    extras: dict[tuple[str, str, str], Obj] = {}
+    for node in range(int(job["spec"]["target"]["nodes"])) if nodes is None else nodes:
+        p, more = pod(job, node, generation=generation, drafter_disabled=drafter_disabled)
+        out.append(p)
+        for extra in more:
+            extras.setdefault((extra.get("apiVersion", ""), extra.get("kind", ""), extra["metadata"]["name"]), extra)
+    return out, list(extras.values())
+
+
+def children(job: Obj) -> list[Obj]:
+    """Everything but the pods, in creation order."""
+    return [*status_rbac(job), config_map(job), service(job)]
+
+
+def render(job: Obj, *, generation: int = 0, drafter_disabled: bool = False) -> list[Obj]:
+    """Every object the operator creates for a (defaulted, valid) job, in creation order."""
+    job = specmod.apply_defaults(job)
+    job.setdefault("metadata", {}).setdefault("namespace", "default")
+    pod_list, extras = pods(job, generation=generation, drafter_disabled=drafter_disabled)
+    return [*children(job), *extras, *pod_list]
+
+
+# Names the other modules use (local backend, scheduling.merge_admitted's recipe).
+def build_children(job: Obj, **kw: Any) -> list[Obj]:
+    """Alias of render: every object for the job, pods last."""
+    return render(job, **kw)
+
+
+def build_pod(job: Obj, node: int, **kw: Any) -> Obj:
+    """The pod of one node (gpu_sharing / scheduling applied), without its extra objects."""
+    return pod(job, node, **kw)[0]

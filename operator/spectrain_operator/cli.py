@@ -1,0 +1,114 @@
+"""`spectrain`: validate and render SpecTrainJob manifests offline, run them locally, report.
+
+    spectrain validate FILE...   exit 0 if every document is valid, 1 otherwise; one line per
+                                 error: FILE: field.path: what is wrong and how to fix it
+    spectrain render FILE        the exact objects the operator creates (ownerReferences aside),
+                                 as a YAML stream
+    spectrain run FILE           run the job on this machine (local backend)
+    spectrain report RUN_DIR     the run report (timeline, harvest, losses)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import yaml
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from spectrain_operator import spec
+
+    bad = 0
+    for where, error in spec.iter_errors(args.files):
+        print(f"{where}: {error}")
+        bad += 1
+    if not bad and not args.quiet:
+        print(f"ok: {len(args.files)} file(s) valid")
+    return 1 if bad else 0
+
+
+def _render(args: argparse.Namespace) -> int:
+    from spectrain_operator import builders, spec
+
+    docs = spec.load_manifests(args.file)
+    objects = []
+    for idx, doc in enumerate(docs):
+        errors = spec.validate(doc)
+        if errors:
+            where = args.file if len(docs) == 1 else f"{args.file}#{idx}"
+            for error in errors:
+                print(f"{where}: {error}", file=sys.stderr)
+            return 1
+        job = spec.defaulted(doc)
+        if args.namespace:
+            job["metadata"]["namespace"] = args.namespace
+        try:
+            objects += builders.render(job, drafter_disabled=args.without_drafter)
+        except ValueError as exc:
+            print(f"{args.file}: {exc}", file=sys.stderr)
+            return 1
+    sys.stdout.write(yaml.dump_all(objects, Dumper=_BlockDumper, sort_keys=False, width=120))
+    return 0
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings (the rendered config.json) as literal blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_BlockDumper.add_representer(str, _str)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from spectrain_operator.local import run_main  # lazy: another module, not needed by validate
+
+    return int(run_main(args))
+
+
+def _report(args: argparse.Namespace) -> int:
+    from spectrain_workloads.report import main as report_main  # lazy: matplotlib
+
+    return int(report_main(args) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="spectrain", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("validate", help="check manifests offline (schema, CEL rules, semantic checks)")
+    v.add_argument("files", nargs="+", metavar="FILE")
+    v.add_argument("-q", "--quiet", action="store_true", help="print nothing when everything is valid")
+    v.set_defaults(func=_validate)
+    r = sub.add_parser("render", help="print the objects the operator would create, as YAML")
+    r.add_argument("file", metavar="FILE")
+    r.add_argument("-n", "--namespace", default=None, help="namespace to render into (default: the manifest's)")
+    r.add_argument("--without-drafter", action="store_true",
+                   help="render the pods as after a RestartWithoutDrafter action")
+    r.set_defaults(func=_render)
+    run = sub.add_parser("run", help="run a SpecTrainJob locally (processes instead of pods)")
+    run.add_argument("file", metavar="FILE")
+    run.add_argument("--run-dir", default=None, help="where checkpoints, metrics and logs go (default runs/<name>)")
+    run.add_argument("--resume", action="store_true", help="continue a stopped run in --run-dir")
+    run.add_argument("--baseline", action="store_true", help="also run without the drafter, for the report")
+    run.add_argument("--report", action="store_true", help="write the report when the run succeeds")
+    run.add_argument("-q", "--quiet", action="store_true", help="no live progress")
+    run.set_defaults(func=_run)
+    rep = sub.add_parser("report", help="build the report of a run directory")
+    rep.add_argument("run_dir", metavar="RUN_DIR")
+    rep.set_defaults(func=_report)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

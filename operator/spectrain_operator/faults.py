@@ -1,0 +1,333 @@
+"""Fault containment: classify why a rank's pod lost a container, and map it to a failurePolicy action.
+
+Under MPS every client of a GPU shares one server: a fatal GPU fault in one client (say the
+drafter) terminates every client on that GPU, the target included. The operator therefore has to
+tell three things apart, from nothing but the pod's status:
+
+- a **drafter fault**: the drafter sidecar exited non-zero (or was OOM-killed) while the target
+  kept running. The kubelet restarts the sidecar (restartPolicy Always). Never fails the job.
+- a **target fault**: the target exited non-zero on its own.
+- an **MPS loss**: the ``mps-daemon`` sidecar (PodLocalMPS) terminated, or target and drafter died
+  together (finishedAt within ``MPS_LOSS_WINDOW_S``) both with GPU-fault exits. When the drafter
+  died first, or only the target reports being terminated by the MPS server, the loss is
+  attributed to the drafter (``caused_by_drafter``). In SingleContainer mode the supervisor
+  writes its verdict (JSON, see spectrain_workloads.supervisor) as the target container's
+  termination message and that verdict is used instead.
+
+Exit-code conventions (the workloads follow them; spectrain_workloads.nvml mirrors the constants):
+
+| code | meaning |
+|---|---|
+| 0 | success (not a fault) |
+| 1 | uncaught error (a bug, bad data...) |
+| 2 | configuration error: the spec cannot run (ConfigError) |
+| 86 | ``EXIT_GPU_FAULT``: the process caught a CUDA / MPS error (cudaErrorMps*, illegal address...) |
+| 128+N | killed by signal N: 134 SIGABRT and 139 SIGSEGV (CUDA driver aborts count as GPU faults), 137 SIGKILL (reason OOMKilled: out of memory), 143 SIGTERM |
+| -1 | ``EXIT_UNKNOWN``: the pod failed with no container exit (eviction, node lost); rules are not consulted |
+
+Reasons (``PodFault.reason``): TargetFailed, TargetOOMKilled, DrafterFailed, DrafterOOMKilled,
+MPSDaemonLost, MPSServerLost, PodFailed.
+
+`action_for(fault, job)` returns one of ``FailJob``, ``RestartJob``, ``RestartJobIgnoreMax``,
+``RestartWithoutDrafter`` (the API's failurePolicy actions) or ``Ignore`` (nothing to do now:
+the kubelet restarts the drafter sidecar; surface DrafterDegraded with the fault's reason and
+message). It does not count restarts: applying maxRestarts to RestartJob is the caller's job.
+Classification is stateless: a drafter fault stays visible in ``lastState`` after the sidecar
+restarts, so the caller sees it on every pass; ``Ignore`` is idempotent and ``restarts`` tells
+the passes apart.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+TARGET = "target"
+DRAFTER = "drafter"
+MPS = "mps"
+MPS_DAEMON_CONTAINER = "mps-daemon"
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_CONFIG = 2
+EXIT_GPU_FAULT = 86
+EXIT_UNKNOWN = -1
+GPU_FAULT_EXIT_CODES = frozenset({EXIT_GPU_FAULT, 134, 139})
+
+MPS_LOSS_WINDOW_S = 30.0
+
+FAIL_JOB = "FailJob"
+RESTART_JOB = "RestartJob"
+RESTART_JOB_IGNORE_MAX = "RestartJobIgnoreMax"
+RESTART_WITHOUT_DRAFTER = "RestartWithoutDrafter"
+IGNORE = "Ignore"
+ACTIONS = (FAIL_JOB, RESTART_JOB, RESTART_JOB_IGNORE_MAX, RESTART_WITHOUT_DRAFTER)
+
+# Text in a termination message that marks a GPU / MPS fault even under exit code 1.
+_GPU_FAULT_TEXT = re.compile(
+    r"CUDA error|CUDA_ERROR|cudaError|CUBLAS_STATUS|illegal memory access|MPS (server|client)|MpsClient",
+    re.IGNORECASE)
+# What a client sees when the MPS server terminated it for another client's fault (CUDA error 810,
+# cudaErrorMpsClientTerminated): marks the collateral victim, not the culprit.
+_MPS_COLLATERAL_TEXT = re.compile(r"MpsClientTerminated|client has been terminated", re.IGNORECASE)
+
+SUPERVISOR_VERDICT_KEY = "spectrainSupervisor"
+
+
+@dataclass(frozen=True)
+class PodFault:
+    """Why a rank's pod lost a container. `container`: 'target' | 'drafter' | 'mps'."""
+
+    container: str
+    exit_code: int
+    reason: str
+    message: str
+    restarts: int = 0  # the culprit container's restartCount (drafter faults: crashes so far)
+    caused_by_drafter: bool = False  # MPS loss the drafter triggered
+
+
+@dataclass(frozen=True)
+class _Exit:
+    exit_code: int
+    reason: str
+    message: str
+    finished: datetime | None
+    restarts: int
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if not value:
+        return None
+    if isinstance(value, datetime):
+        return value
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _status(statuses: list[dict] | None, name: str) -> dict | None:
+    for s in statuses or []:
+        if s.get("name") == name:
+            return s
+    return None
+
+
+def _last_exit(status: dict | None) -> _Exit | None:
+    """The container's most recent termination: the current state, else lastState."""
+    if status is None:
+        return None
+    restarts = int(status.get("restartCount") or 0)
+    for key in ("state", "lastState"):
+        term = (status.get(key) or {}).get("terminated")
+        if term:
+            return _Exit(int(term.get("exitCode", EXIT_UNKNOWN)), str(term.get("reason") or ""),
+                         str(term.get("message") or ""), _parse_time(term.get("finishedAt")), restarts)
+    return None
+
+
+def _is_gpu_fault(e: _Exit) -> bool:
+    return e.exit_code in GPU_FAULT_EXIT_CODES or bool(_GPU_FAULT_TEXT.search(e.message))
+
+
+def _shutdown(e: _Exit, t: _Exit | None) -> bool:
+    """True when a sidecar's exit is the kubelet stopping it after the target ended (pod shutdown).
+
+    Kubernetes timestamps have one-second resolution: an exit in the target's second counts as
+    shutdown unless it looks like a GPU fault (then it may be the MPS loss that killed both).
+    """
+    if t is None or e.finished is None or t.finished is None:
+        return False
+    if e.finished > t.finished:
+        return True
+    return e.finished == t.finished and not _is_gpu_fault(e)
+
+
+def _within(a: datetime | None, b: datetime | None, window_s: float) -> bool:
+    if a is None or b is None:
+        return False
+    return abs((a - b).total_seconds()) <= window_s
+
+
+def _describe(who: str, e: _Exit) -> str:
+    text = f"{who} exited with code {e.exit_code}"
+    if e.reason:
+        text += f" ({e.reason})"
+    if e.message:
+        text += f": {e.message.strip()[-400:]}"
+    return text
+
+
+def _supervisor_verdict(message: str) -> dict | None:
+    try:
+        data = json.loads(message)
+    except ValueError:
+        return None
+    if isinstance(data, dict) and isinstance(data.get(SUPERVISOR_VERDICT_KEY), dict):
+        verdict: dict = data[SUPERVISOR_VERDICT_KEY]
+        return verdict
+    return None
+
+
+def _from_verdict(t: _Exit, v: dict) -> PodFault | None:
+    cause = v.get("cause")
+    if t.exit_code == EXIT_OK and cause == "success":
+        return None
+    if cause == "mps-daemon":
+        return PodFault(MPS, int(v.get("mpsExitCode", t.exit_code)), "MPSDaemonLost",
+                        f"the MPS control daemon exited ({v.get('mpsExitCode')}); the target exited {t.exit_code}",
+                        t.restarts)
+    if cause == "mps-by-drafter":
+        code = int(v.get("lastDrafterExitCode", EXIT_UNKNOWN))
+        return PodFault(MPS, code, "MPSServerLost",
+                        f"the drafter failed (exit {code}) and the MPS server took the target down with it "
+                        f"(target exit {t.exit_code})", t.restarts, caused_by_drafter=True)
+    if cause == "mps":
+        return PodFault(MPS, t.exit_code, "MPSServerLost",
+                        f"target exited {t.exit_code} with a GPU fault, together with the drafter", t.restarts)
+    if t.exit_code == EXIT_OK:
+        return None
+    reason = "TargetOOMKilled" if t.reason == "OOMKilled" else "TargetFailed"
+    return PodFault(TARGET, t.exit_code, reason, f"target exited with code {t.exit_code}", t.restarts)
+
+
+def classify_pod(pod: dict) -> PodFault | None:
+    """The pod's fault, or None (running fine, succeeded, or being deleted)."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    status = pod.get("status") or {}
+    containers = status.get("containerStatuses") or []
+    inits = status.get("initContainerStatuses") or []
+    t_status = _status(containers, TARGET)
+    t = None
+    if t_status is not None:
+        term = (t_status.get("state") or {}).get("terminated")
+        t = _last_exit(t_status) if term else None
+    d = _last_exit(_status(inits, DRAFTER))
+    m = _last_exit(_status(inits, MPS_DAEMON_CONTAINER))
+
+    if t is not None:
+        verdict = _supervisor_verdict(t.message)
+        if verdict is not None:
+            return _from_verdict(t, verdict)
+
+    t_end = t.finished if t is not None else None
+    if d is not None and (d.exit_code == EXIT_OK or _shutdown(d, t)):
+        d = None
+    if m is not None and _shutdown(m, t):
+        m = None
+
+    if m is not None:
+        who = f"mps-daemon exited with code {m.exit_code}"
+        tail = f"; {_describe('target', t)}" if t is not None and t.exit_code != EXIT_OK else ""
+        return PodFault(MPS, m.exit_code, "MPSDaemonLost", who + (f": {m.message.strip()}" if m.message else "") + tail,
+                        m.restarts)
+
+    if t is not None and t.exit_code != EXIT_OK:
+        if d is not None and _within(d.finished, t_end, MPS_LOSS_WINDOW_S) and _is_gpu_fault(t) and _is_gpu_fault(d):
+            drafter_first = d.finished is not None and t_end is not None and d.finished < t_end
+            same_time = not drafter_first and d.finished == t_end
+            collateral = bool(_MPS_COLLATERAL_TEXT.search(t.message)) and not _MPS_COLLATERAL_TEXT.search(d.message)
+            by_drafter = drafter_first or (same_time and collateral)
+            code = d.exit_code if by_drafter else t.exit_code
+            lead = "the drafter's GPU fault took down the MPS server's clients" if by_drafter else \
+                "target and drafter died together with GPU faults (MPS server lost)"
+            return PodFault(MPS, code, "MPSServerLost",
+                            f"{lead}; {_describe('drafter', d)}; {_describe('target', t)}",
+                            d.restarts if by_drafter else t.restarts, caused_by_drafter=by_drafter)
+        reason = "TargetOOMKilled" if t.reason == "OOMKilled" else "TargetFailed"
+        return PodFault(TARGET, t.exit_code, reason, _describe("target", t), t.restarts)
+
+    if d is not None and d.exit_code != EXIT_OK:
+        reason = "DrafterOOMKilled" if d.reason == "OOMKilled" else "DrafterFailed"
+        return PodFault(DRAFTER, d.exit_code, reason, _describe("drafter", d), d.restarts)
+
+    if status.get("phase") == "Failed" and (t is None or t.exit_code == EXIT_OK):
+        if t is not None:  # target succeeded, pod still marked failed: nothing the target did wrong
+            return None
+        reason = str(status.get("reason") or "")
+        return PodFault(TARGET, EXIT_UNKNOWN, "PodFailed",
+                        f"pod failed without a target exit ({reason or 'no reason'}): {status.get('message', '')}".strip())
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _rules(job: dict) -> list[dict]:
+    spec = job.get("spec") or {}
+    rules = (((spec.get("runPolicy") or {}).get("failurePolicy") or {}).get("rules")) or []
+    return [r for r in rules if isinstance(r, dict)]
+
+
+def _rule_matches(rule: dict, container: str, exit_code: int) -> bool:
+    on = rule.get("onExitCodes")
+    if not on:
+        return True  # a rule without onExitCodes matches every fault
+    if on.get("container") and on["container"] != container:
+        return False
+    values = {int(v) for v in on.get("values") or []}
+    op = on.get("operator", "In")
+    if op == "In":
+        return exit_code in values
+    if op == "NotIn":
+        return exit_code not in values
+    raise ValueError(
+        f"spec.runPolicy.failurePolicy.rules[].onExitCodes.operator: {op!r} is not In or NotIn; fix the rule")
+
+
+def _first_action(job: dict, container: str, exit_code: int) -> str | None:
+    for i, rule in enumerate(_rules(job)):
+        if _rule_matches(rule, container, exit_code):
+            action = rule.get("action")
+            if action not in ACTIONS:
+                raise ValueError(
+                    f"spec.runPolicy.failurePolicy.rules[{i}].action: {action!r} is not one of "
+                    f"{', '.join(ACTIONS)}; fix the rule")
+            return str(action)
+    return None
+
+
+def _drafter_safe(action: str) -> str:
+    """A drafter fault never fails the job and never spends the target's restart budget."""
+    if action == FAIL_JOB:
+        return RESTART_WITHOUT_DRAFTER
+    if action == RESTART_JOB:
+        return RESTART_JOB_IGNORE_MAX
+    return action
+
+
+def action_for(fault: PodFault, job: dict) -> str:
+    """The failurePolicy action for `fault` (first matching rule wins; see the module docstring).
+
+    - target faults: the first rule for container target (or without a container) matching the
+      exit code; default RestartJob. EXIT_UNKNOWN (no exit code): RestartJob, rules not consulted.
+    - drafter faults: the first rule for the drafter, made drafter-safe (FailJob ->
+      RestartWithoutDrafter, RestartJob -> RestartJobIgnoreMax); without a rule, Ignore while
+      `restarts < drafter.maxFailures`, then RestartWithoutDrafter.
+    - MPS losses caused by the drafter: the first rule for the drafter matching its exit code,
+      made drafter-safe (so a rule can say RestartWithoutDrafter); default RestartJob.
+      Other MPS server losses: target rules on the target's exit code; default RestartJob.
+      MPS daemon losses: RestartJob.
+    """
+    if fault.container == DRAFTER:
+        action = _first_action(job, DRAFTER, fault.exit_code)
+        if action is not None:
+            return _drafter_safe(action)
+        max_failures = int(((job.get("spec") or {}).get("drafter") or {}).get("maxFailures", 3))
+        return RESTART_WITHOUT_DRAFTER if fault.restarts >= max_failures else IGNORE
+    if fault.container == MPS:
+        if fault.caused_by_drafter:
+            action = _first_action(job, DRAFTER, fault.exit_code)
+            return _drafter_safe(action) if action is not None else RESTART_JOB
+        if fault.reason == "MPSDaemonLost":
+            return RESTART_JOB
+        return _first_action(job, TARGET, fault.exit_code) or RESTART_JOB
+    if fault.container == TARGET:
+        if fault.exit_code == EXIT_UNKNOWN:
+            return RESTART_JOB
+        return _first_action(job, TARGET, fault.exit_code) or RESTART_JOB
+    raise ValueError(f"PodFault.container: {fault.container!r} is not target, drafter or mps")

@@ -1,0 +1,460 @@
+"""GPU sharing between the target and its drafter (spec.gpuSharing.mode): pure manifest transforms.
+
+`apply(pod, job)` mutates a built Pod manifest for the job's sharing mode and returns the extra
+objects the operator must create alongside (today: the DRA ResourceClaimTemplate). The pod it
+receives is the builders' layout (docs/contracts.md): container `target` in spec.containers and,
+unless the drafter is disabled, the native sidecar `drafter` (restartPolicy Always) in
+spec.initContainers. No Kubernetes client, no torch: the same input always yields the same output.
+
+Modes (docs/gpu-sharing.md says which to pick):
+
+- ``DRA``: a ResourceClaimTemplate ``<job>-gpu`` (resource.k8s.io/v1) requesting ``gpusPerNode``
+  devices of ``dra.deviceClassName`` with the NVIDIA DRA driver's opaque ``GpuConfig`` sharing
+  strategy ``MPS``; a pod-level ``resourceClaims`` entry ``gpu``; ``target`` and ``drafter`` both
+  reference it, so the driver's MPS control daemon serves both and both see the same devices.
+- ``PodLocalMPS``: a native sidecar ``mps-daemon`` running ``nvidia-cuda-mps-control -f`` (started
+  before the drafter and the target; its startup probe asks the daemon for its server list),
+  shared pipe/log emptyDirs, a memory-backed /dev/shm shared by all containers, one runAsUser for
+  all (the MPS server only serves clients of its own UID), the target requesting
+  ``nvidia.com/gpu: gpusPerNode``. Device-visibility caveat: with the NVIDIA device plugin only a
+  container that requests ``nvidia.com/gpu`` gets the devices; the sidecars here set
+  ``NVIDIA_VISIBLE_DEVICES=all``, which only works where the container runtime honours that
+  variable from unprivileged containers and the pod takes every GPU of its node. Elsewhere use
+  DRA or SingleContainer.
+- ``SingleContainer``: the drafter sidecar is folded into the ``target`` container, whose command
+  becomes ``spectrain-supervisor`` (spectrain_workloads.supervisor): it starts the MPS daemon, the
+  drafter (restarted on its own failures, up to drafter.maxFailures) and the target, and exits
+  with the target's exit code.
+- ``None``: the pod is returned unchanged (CPU, tests, the local backend).
+
+In every GPU mode the drafter gets ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and
+``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` from drafter.gpuShare; the target gets neither, so it is
+never capped (a client-side value can only lower the daemon's default, never raise it).
+All containers get ``SPECTRAIN_GPU_SHARING=<mode>`` (read by spectrain_workloads.nvml reports).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from fractions import Fraction
+from typing import Any
+
+MODES = ("DRA", "PodLocalMPS", "SingleContainer", "None")
+
+TARGET = "target"
+DRAFTER = "drafter"
+MPS_DAEMON = "mps-daemon"
+
+CLAIM_NAME = "gpu"  # pod-level resourceClaims[].name, referenced by containers[].resources.claims
+DRA_REQUEST_NAME = "gpus"  # devices.requests[].name inside the ResourceClaimTemplate
+NVIDIA_DRA_DRIVER = "gpu.nvidia.com"  # the NVIDIA DRA driver's name (opaque config's `driver`)
+GPU_CONFIG_API_VERSION = "resource.nvidia.com/v1beta1"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+MPS_PIPE_DIR = "/var/run/spectrain/mps/pipe"
+MPS_LOG_DIR = "/var/run/spectrain/mps/log"
+MPS_PIPE_VOLUME = "mps-pipe"
+MPS_LOG_VOLUME = "mps-log"
+SHM_VOLUME = "dshm"
+SHM_PATH = "/dev/shm"
+MPS_CONTROL_COMMAND = ["nvidia-cuda-mps-control", "-f"]
+# The control daemon answers `get_server_list` as soon as it listens on its pipe (an empty list
+# before the first client): a non-zero exit means the daemon is not up yet.
+MPS_READY_COMMAND = ["sh", "-c", "echo get_server_list | nvidia-cuda-mps-control"]
+
+SUPERVISOR_COMMAND = "spectrain-supervisor"
+LABEL_JOB = "spectrain.io/job-name"
+
+
+class GpuSharingError(ValueError):
+    """The spec cannot be turned into a GPU-sharing layout; the message names the field and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# small pure helpers
+
+
+def _get(obj: Any, *path: str, default: Any = None) -> Any:
+    for key in path:
+        if not isinstance(obj, dict) or obj.get(key) is None:
+            return default
+        obj = obj[key]
+    return obj
+
+
+def _find(containers: list[dict], name: str) -> dict | None:
+    for c in containers:
+        if c.get("name") == name:
+            return c
+    return None
+
+
+def _set_env(container: dict, name: str, value: str) -> None:
+    """Set (or replace) a plain-value env var, keeping the list's order otherwise."""
+    env = container.setdefault("env", [])
+    for e in env:
+        if e.get("name") == name:
+            e.clear()
+            e.update({"name": name, "value": value})
+            return
+    env.append({"name": name, "value": value})
+
+
+def _add_mount(container: dict, name: str, path: str) -> None:
+    mounts = container.setdefault("volumeMounts", [])
+    if not any(m.get("mountPath") == path for m in mounts):
+        mounts.append({"name": name, "mountPath": path})
+
+
+def _add_volume(pod: dict, volume: dict) -> None:
+    volumes = pod["spec"].setdefault("volumes", [])
+    if not any(v.get("name") == volume["name"] for v in volumes):
+        volumes.append(volume)
+
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
+_FACTORS = {
+    None: Fraction(1), "m": Fraction(1, 1000),
+    "k": Fraction(10**3), "M": Fraction(10**6), "G": Fraction(10**9), "T": Fraction(10**12),
+    "P": Fraction(10**15), "E": Fraction(10**18),
+    "Ki": Fraction(2**10), "Mi": Fraction(2**20), "Gi": Fraction(2**30), "Ti": Fraction(2**40),
+    "Pi": Fraction(2**50), "Ei": Fraction(2**60),
+}
+
+
+def parse_quantity(value: Any, field: str) -> Fraction:
+    """A Kubernetes quantity ("8Gi", "500m", 2) as an exact Fraction; errors name `field`."""
+    text = str(value).strip()
+    m = _QUANTITY.match(text)
+    if not m:
+        raise GpuSharingError(
+            f"{field}: {value!r} is not a Kubernetes quantity; write e.g. 8Gi, 512Mi or 8G")
+    return Fraction(m.group(1)) * _FACTORS[m.group(2)]
+
+
+def _format_quantity(value: Fraction) -> str:
+    if value.denominator == 1:
+        n = value.numerator
+        for suffix, factor in (("Gi", 2**30), ("Mi", 2**20)):
+            if n and n % factor == 0:
+                return f"{n // factor}{suffix}"
+        return str(n)
+    millis = value * 1000
+    if millis.denominator == 1:
+        return f"{millis.numerator}m"
+    return str(float(value))
+
+
+def pinned_mem_limit_env(pinned_memory_limit: Any, gpus: int) -> str:
+    """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT for `gpus` devices: "0=8192M,1=8192M".
+
+    The CUDA MPS format is a comma-separated list of `<device ordinal>=<limit>`; the limit is
+    written in whole MiB ("M", as the NVIDIA DRA driver does), rounded down, so a Gi quantity maps
+    exactly and no limit is ever raised by rounding.
+    """
+    field = "spec.drafter.gpuShare.pinnedMemoryLimit"
+    mib = int(parse_quantity(pinned_memory_limit, field) / (1 << 20))
+    if mib < 1:
+        raise GpuSharingError(f"{field}: {pinned_memory_limit!r} is below 1Mi; set at least 1Mi (e.g. 8Gi)")
+    return ",".join(f"{i}={mib}M" for i in range(max(gpus, 1)))
+
+
+def _owner_refs(job: dict) -> list[dict]:
+    meta = job.get("metadata", {})
+    if not meta.get("uid"):
+        return []
+    return [{
+        "apiVersion": job.get("apiVersion", "spectrain.io/v1alpha1"),
+        "kind": job.get("kind", "SpecTrainJob"),
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }]
+
+
+def child_metadata(job: dict, name: str) -> dict:
+    """Metadata for a child object: name, namespace, the job label, ownerReference (when uid known)."""
+    meta = job.get("metadata", {})
+    out: dict[str, Any] = {"name": name, "labels": {LABEL_JOB: meta["name"]}}
+    if meta.get("namespace"):
+        out["namespace"] = meta["namespace"]
+    refs = _owner_refs(job)
+    if refs:
+        out["ownerReferences"] = refs
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# spec access with API.md defaults
+
+
+def sharing_mode(job: dict) -> str:
+    mode = _get(job, "spec", "gpuSharing", "mode", default="None")
+    if mode not in MODES:
+        raise GpuSharingError(f"spec.gpuSharing.mode: {mode!r} is not one of {', '.join(MODES)}")
+    return str(mode)
+
+
+def gpus_per_node(job: dict) -> int:
+    n = int(_get(job, "spec", "gpuSharing", "gpusPerNode", default=0))
+    if sharing_mode(job) != "None" and n < 1:
+        raise GpuSharingError(
+            f"spec.gpuSharing.gpusPerNode: {n} with mode {sharing_mode(job)}; set it to "
+            "target.procsPerNode (>= 1) or set mode None")
+    return n
+
+
+def drafter_mps_env(job: dict) -> dict[str, str]:
+    """The drafter's MPS caps from spec.drafter.gpuShare (defaults 30 % and 8Gi)."""
+    share = _get(job, "spec", "drafter", "gpuShare", default={})
+    pct = int(share.get("activeThreadPercentage", 30))
+    if not 1 <= pct <= 100:
+        raise GpuSharingError(
+            f"spec.drafter.gpuShare.activeThreadPercentage: {pct} is outside 1..100; pick e.g. 30")
+    return {
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(pct),
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": pinned_mem_limit_env(
+            share.get("pinnedMemoryLimit", "8Gi"), gpus_per_node(job)),
+    }
+
+
+def resource_claim_template(job: dict) -> dict:
+    """The DRA ResourceClaimTemplate `<job>-gpu` (resource.k8s.io/v1, Kubernetes >= 1.34).
+
+    The GpuConfig's MPS defaults are deliberately uncapped (100 % threads, no pinned limit): the
+    daemon's defaults bound every client, the target included, and a client's own
+    CUDA_MPS_* variables can only lower them. The drafter caps itself through its env.
+    """
+    name = job["metadata"]["name"]
+    device_class = _get(job, "spec", "gpuSharing", "dra", "deviceClassName", default="gpu.nvidia.com")
+    if not device_class:
+        raise GpuSharingError(
+            "spec.gpuSharing.dra.deviceClassName: empty; set the DeviceClass of the NVIDIA DRA driver "
+            "(gpu.nvidia.com by default)")
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": child_metadata(job, f"{name}-gpu"),
+        "spec": {
+            "metadata": {"labels": {LABEL_JOB: name}},
+            "spec": {
+                "devices": {
+                    "requests": [{
+                        "name": DRA_REQUEST_NAME,
+                        "exactly": {
+                            "deviceClassName": device_class,
+                            "allocationMode": "ExactCount",
+                            "count": gpus_per_node(job),
+                        },
+                    }],
+                    "config": [{
+                        "requests": [DRA_REQUEST_NAME],
+                        "opaque": {
+                            "driver": NVIDIA_DRA_DRIVER,
+                            "parameters": {
+                                "apiVersion": GPU_CONFIG_API_VERSION,
+                                "kind": "GpuConfig",
+                                "sharing": {
+                                    "strategy": "MPS",
+                                    "mpsConfig": {"defaultActiveThreadPercentage": 100},
+                                },
+                            },
+                        },
+                    }],
+                },
+            },
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# the modes
+
+
+def _containers(pod: dict) -> tuple[dict, dict | None]:
+    spec = pod.get("spec", {})
+    target = _find(spec.get("containers", []), TARGET)
+    if target is None:
+        raise GpuSharingError("pod.spec.containers: no container named 'target'; build the pod first")
+    drafter = _find(spec.get("initContainers", []), DRAFTER)
+    return target, drafter
+
+
+def _apply_dra(pod: dict, job: dict) -> list[dict]:
+    target, drafter = _containers(pod)
+    rct = resource_claim_template(job)
+    claims = pod["spec"].setdefault("resourceClaims", [])
+    if not any(c.get("name") == CLAIM_NAME for c in claims):
+        claims.append({"name": CLAIM_NAME, "resourceClaimTemplateName": rct["metadata"]["name"]})
+    for c in (target, drafter):
+        if c is None:
+            continue
+        res = c.setdefault("resources", {})
+        refs = res.setdefault("claims", [])
+        if not any(r.get("name") == CLAIM_NAME for r in refs):
+            refs.append({"name": CLAIM_NAME})
+    return [rct]
+
+
+def _mps_env(container: dict) -> None:
+    _set_env(container, "CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DIR)
+    _set_env(container, "CUDA_MPS_LOG_DIRECTORY", MPS_LOG_DIR)
+    _add_mount(container, MPS_PIPE_VOLUME, MPS_PIPE_DIR)
+    _add_mount(container, MPS_LOG_VOLUME, MPS_LOG_DIR)
+    _add_mount(container, SHM_VOLUME, SHM_PATH)
+
+
+def _run_as(container: dict, uid: int) -> None:
+    sc = container.setdefault("securityContext", {})
+    sc["runAsUser"] = uid
+
+
+def _request_gpus(container: dict, n: int) -> None:
+    res = container.setdefault("resources", {})
+    res.setdefault("limits", {})[GPU_RESOURCE] = str(n)
+    res.setdefault("requests", {})[GPU_RESOURCE] = str(n)
+
+
+def _mps_volumes(pod: dict) -> None:
+    _add_volume(pod, {"name": MPS_PIPE_VOLUME, "emptyDir": {"medium": "Memory"}})
+    _add_volume(pod, {"name": MPS_LOG_VOLUME, "emptyDir": {}})
+    _add_volume(pod, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+
+
+def mps_uid(job: dict) -> int:
+    uid = int(_get(job, "spec", "gpuSharing", "mps", "runAsUser", default=1000))
+    if uid < 0:
+        raise GpuSharingError(f"spec.gpuSharing.mps.runAsUser: {uid} is negative; use a UID >= 0 (e.g. 1000)")
+    return uid
+
+
+def _apply_pod_local(pod: dict, job: dict) -> list[dict]:
+    target, drafter = _containers(pod)
+    uid = mps_uid(job)
+    image = _get(job, "spec", "gpuSharing", "mps", "image", default="") or target.get("image") \
+        or _get(job, "spec", "target", "image", default="")
+    daemon: dict[str, Any] = {
+        "name": MPS_DAEMON,
+        "image": image,
+        "command": list(MPS_CONTROL_COMMAND),
+        "restartPolicy": "Always",
+        # Sidecars are not allocated devices by the device plugin: see the module docstring.
+        "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+                {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"}],
+        "startupProbe": {
+            "exec": {"command": list(MPS_READY_COMMAND)},
+            "periodSeconds": 2,
+            "failureThreshold": 30,
+            "timeoutSeconds": 5,
+        },
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+    }
+    _mps_volumes(pod)
+    init = pod["spec"].setdefault("initContainers", [])
+    if _find(init, MPS_DAEMON) is None:
+        init.insert(0, daemon)  # before the drafter: its startup probe gates the drafter and target
+    for c in (daemon, target, drafter):
+        if c is None:
+            continue
+        _mps_env(c)
+        _run_as(c, uid)
+    if drafter is not None:
+        _set_env(drafter, "NVIDIA_VISIBLE_DEVICES", "all")
+    _request_gpus(target, gpus_per_node(job))
+    psc = pod["spec"].setdefault("securityContext", {})
+    psc["runAsUser"] = uid
+    return []
+
+
+def _sum_resources(target: dict, drafter: dict) -> None:
+    """Fold the drafter's cpu/memory into the target's: requests add up; a limit is raised only
+    where both had one (adding a limit the target did not have would cap the target)."""
+    t_res = target.setdefault("resources", {})
+    d_res = drafter.get("resources") or {}
+    for kind in ("requests", "limits"):
+        d = d_res.get(kind) or {}
+        if not d:
+            continue
+        t = t_res.setdefault(kind, {})
+        for key, val in d.items():
+            if key == GPU_RESOURCE:
+                continue
+            field = f"spec.drafter.resources.{kind}.{key}"
+            if key in t:
+                total = parse_quantity(t[key], f"spec.target.resources.{kind}.{key}") + parse_quantity(val, field)
+                t[key] = _format_quantity(total)
+            elif kind == "requests":
+                t[key] = val
+        if not t:
+            t_res.pop(kind)
+
+
+def _apply_single(pod: dict, job: dict) -> list[dict]:
+    target, drafter = _containers(pod)
+    _mps_volumes(pod)
+    target_cmd = list(target.get("command") or ["spectrain-target"]) + list(target.get("args") or [])
+    args: list[str] = ["--mps-command", json.dumps(MPS_CONTROL_COMMAND),
+                       "--mps-ready-command", json.dumps(MPS_READY_COMMAND)]
+    if drafter is not None:
+        drafter_cmd = list(drafter.get("command") or ["spectrain-drafter"]) + list(drafter.get("args") or [])
+        target_env = {e["name"]: e for e in target.get("env", [])}
+        drafter_env: dict[str, str] = {}
+        for e in drafter.get("env", []):
+            if target_env.get(e["name"]) == e:
+                continue
+            if "value" in e or "valueFrom" not in e:
+                drafter_env[e["name"]] = str(e.get("value", ""))
+            elif e["name"] not in target_env:
+                target.setdefault("env", []).append(copy.deepcopy(e))  # drafter-only valueFrom
+            else:
+                raise GpuSharingError(
+                    f"drafter env {e['name']}: a valueFrom differing from the target's cannot be carried "
+                    "into one container in SingleContainer mode; give it a plain value or use mode DRA")
+        for m in drafter.get("volumeMounts", []):
+            if not any(t.get("mountPath") == m.get("mountPath") for t in target.get("volumeMounts", [])):
+                target.setdefault("volumeMounts", []).append(copy.deepcopy(m))
+        _sum_resources(target, drafter)
+        max_failures = int(_get(job, "spec", "drafter", "maxFailures", default=3))
+        args += ["--drafter-command", json.dumps(drafter_cmd),
+                 "--drafter-env", json.dumps(drafter_env, sort_keys=True),
+                 "--drafter-max-failures", str(max_failures)]
+        pod["spec"]["initContainers"] = [c for c in pod["spec"].get("initContainers", [])
+                                         if c.get("name") != DRAFTER]
+        if not pod["spec"]["initContainers"]:
+            pod["spec"].pop("initContainers")
+    target["command"] = [SUPERVISOR_COMMAND]
+    target["args"] = [*args, "--", *target_cmd]
+    _mps_env(target)
+    _request_gpus(target, gpus_per_node(job))
+    # The supervisor writes its JSON verdict there; faults.classify_pod reads it back.
+    target.setdefault("terminationMessagePath", "/dev/termination-log")
+    target["terminationMessagePolicy"] = "FallbackToLogsOnError"
+    return []
+
+
+def apply(pod: dict, job: dict) -> list[dict]:
+    """Mutate `pod` for spec.gpuSharing.mode; return the extra objects the operator must create.
+
+    `pod` is the built Pod manifest (container `target`; native sidecar `drafter` unless the
+    drafter is disabled); `job` is the SpecTrainJob with its spec defaulted. Raises
+    GpuSharingError (a ValueError) naming the field when the spec cannot be laid out.
+    """
+    mode = sharing_mode(job)
+    if mode == "None":
+        return []
+    drafter_env = drafter_mps_env(job)
+    _, drafter = _containers(pod)
+    if drafter is not None:
+        for k, v in drafter_env.items():
+            _set_env(drafter, k, v)
+    containers = list(pod["spec"].get("containers", [])) + list(pod["spec"].get("initContainers", []))
+    for c in containers:
+        _set_env(c, "SPECTRAIN_GPU_SHARING", mode)
+    if mode == "DRA":
+        return _apply_dra(pod, job)
+    if mode == "PodLocalMPS":
+        return _apply_pod_local(pod, job)
+    return _apply_single(pod, job)

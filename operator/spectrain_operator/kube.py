@@ -1,0 +1,185 @@
+"""The only module that talks to the Kubernetes API (besides kopf's own watches).
+
+Plain dicts in and out over the official client's transport (no model (de)serialisation, which
+is slow and drops fields it does not know, e.g. native sidecars or DRA on an older client).
+Creation is create-or-get: 409 AlreadyExists counts as success, so replayed events create
+nothing twice. Errors: `TransientError` (retry later: 5xx, 429, timeouts, conflicts) or
+`RejectedError` (the API server refused the object: 400/403/422); 404 on delete is success.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import uuid
+from collections import Counter
+from datetime import datetime, timezone
+from typing import Any
+
+from spectrain_operator import metrics
+from spectrain_operator import spec as specmod
+from spectrain_operator.status import Event, fmt_time
+
+Obj = dict[str, Any]
+
+# kind -> plural where lower(kind) + "s" is wrong
+_PLURALS = {"Endpoints": "endpoints", "PodDisruptionBudget": "poddisruptionbudgets"}
+_CORE = "v1"
+
+
+class KubeError(RuntimeError):
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class TransientError(KubeError):
+    """Worth retrying: the server is busy, unreachable or the object changed under us."""
+
+
+class RejectedError(KubeError):
+    """The API server refused the request (invalid object, forbidden); retrying will not help."""
+
+
+def path_for(api_version: str, kind: str, namespace: str | None, name: str | None = None,
+             subresource: str | None = None) -> str:
+    plural = _PLURALS.get(kind, kind.lower() + "s")
+    base = "/api/v1" if api_version == _CORE else f"/apis/{api_version}"
+    if namespace:
+        base += f"/namespaces/{namespace}"
+    base += f"/{plural}"
+    if name:
+        base += f"/{name}"
+    if subresource:
+        base += f"/{subresource}"
+    return base
+
+
+class Kube:
+    """A thin dict-in/dict-out client. Thread-safe (the kopf handlers run in a thread pool)."""
+
+    def __init__(self, api_client: Any):
+        self.api = api_client
+        self.calls: Counter[str] = Counter()
+        self.creates_conflicted = 0
+        self._lock = threading.Lock()
+        self.instance = socket.gethostname()
+
+    @classmethod
+    def from_environment(cls, kubeconfig: str | None = None) -> Kube:
+        """In-cluster credentials when running in a pod, else KUBECONFIG / ~/.kube/config."""
+        from kubernetes import client, config
+
+        cfg = client.Configuration()
+        try:
+            if kubeconfig:
+                raise config.ConfigException("explicit kubeconfig")
+            config.load_incluster_config(client_configuration=cfg)
+        except config.ConfigException:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        cfg.connection_pool_maxsize = 32
+        return cls(client.ApiClient(cfg))
+
+    # ------------------------------------------------------------ transport
+
+    def request(self, method: str, path: str, *, body: Any = None, query: dict[str, Any] | None = None,
+                content_type: str = "application/json", timeout: float = 30.0) -> Obj | None:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        with self._lock:
+            self.calls[method] += 1
+        metrics.API_CALLS.labels(verb=method).inc()
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        try:
+            resp = self.api.call_api(path, method, query_params=list((query or {}).items()), header_params=headers,
+                                     body=body, auth_settings=["BearerToken"], _preload_content=False,
+                                     _return_http_data_only=True, _request_timeout=timeout)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            detail = _reason(exc.body) or str(exc.reason)
+            text = f"{method} {path}: {exc.status} {detail}"
+            if exc.status == 409 or exc.status == 429 or (exc.status or 500) >= 500:
+                raise TransientError(text, exc.status) from exc
+            raise RejectedError(text, exc.status) from exc
+        except (HTTPError, OSError) as exc:
+            raise TransientError(f"{method} {path}: {exc}") from exc
+        data = resp.data
+        return json.loads(data) if data else {}
+
+    # ------------------------------------------------------------ objects
+
+    def get_job(self, namespace: str, name: str) -> Obj | None:
+        return self.request("GET", path_for(specmod.API_VERSION, specmod.KIND, namespace, name))
+
+    def list_jobs(self, namespace: str | None = None) -> list[Obj]:
+        out = self.request("GET", path_for(specmod.API_VERSION, specmod.KIND, namespace)) or {}
+        return list(out.get("items") or [])
+
+    def list_pods(self, namespace: str, selector: str) -> list[Obj]:
+        out = self.request("GET", path_for(_CORE, "Pod", namespace), query={"labelSelector": selector}) or {}
+        return list(out.get("items") or [])
+
+    def create(self, obj: Obj) -> Obj | None:
+        """Create `obj`; an existing object of that name is success (returns None then)."""
+        meta = obj["metadata"]
+        try:
+            return self.request("POST", path_for(obj["apiVersion"], obj["kind"], meta.get("namespace")), body=obj)
+        except TransientError as exc:
+            if exc.status == 409:
+                with self._lock:
+                    self.creates_conflicted += 1
+                return None
+            raise
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str, *,
+               propagation: str = "Background") -> None:
+        self.request("DELETE", path_for(api_version, kind, namespace, name),
+                     body={"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation})
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        self.delete(_CORE, "Pod", namespace, name)
+
+    def delete_job(self, namespace: str, name: str) -> None:
+        self.delete(specmod.API_VERSION, specmod.KIND, namespace, name)
+
+    def patch_status(self, namespace: str, name: str, status: Obj, old: Obj | None = None) -> Obj | None:
+        """Merge-patch the status subresource; keys of `old` missing from `status` are removed."""
+        body = dict(status)
+        for key in (old or {}):
+            body.setdefault(key, None)
+        return self.request("PATCH", path_for(specmod.API_VERSION, specmod.KIND, namespace, name, "status"),
+                            body={"status": body}, content_type="application/merge-patch+json")
+
+    def missing_claims(self, namespace: str, claims: list[str]) -> list[str]:
+        return [c for c in dict.fromkeys(claims)
+                if self.request("GET", path_for(_CORE, "PersistentVolumeClaim", namespace, c)) is None]
+
+    def post_event(self, job: Obj, event: Event, now: datetime | None = None) -> None:
+        """A core/v1 Event about the job (best effort: an Event that cannot be posted is dropped)."""
+        meta = job["metadata"]
+        stamp = fmt_time(now or datetime.now(timezone.utc))
+        obj = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": specmod.API_VERSION, "kind": specmod.KIND, "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta.get("uid", ""),
+                               "resourceVersion": meta.get("resourceVersion", "")},
+            "reason": event.reason, "message": event.message[:1024], "type": event.type,
+            "source": {"component": "spectrain-operator"}, "reportingComponent": "spectrain-operator",
+            "reportingInstance": self.instance, "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+        }
+        try:
+            self.request("POST", path_for(_CORE, "Event", meta["namespace"]), body=obj)
+        except KubeError:
+            metrics.ERRORS.labels(kind="event").inc()
+
+
+def _reason(body: Any) -> str:
+    try:
+        data = json.loads(body)
+    except (TypeError, ValueError):
+        return ""
+    return str(data.get("message", "")) if isinstance(data, dict) else ""

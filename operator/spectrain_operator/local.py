@@ -1,0 +1,299 @@
+"""The local backend: run the pods the operator's builders produce as local processes.
+
+`spectrain run FILE` validates the manifest, asks the builders for the children (the single
+source of the pod layout), and runs each pod's containers with the same env, command and
+volumes: memory-backed emptyDirs become directories on a tmpfs (/dev/shm), other volumes
+directories under the run dir, the ConfigMap becomes files, the rendezvous goes to loopback.
+Native sidecars (init containers with restartPolicy Always) start first and are restarted when
+they exit, like the kubelet does; the job's exit code is the targets' outcome.
+
+Torch-free: the workloads run in child processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from spectrain_operator import builders, spec
+from spectrain_operator.progress import ProgressView
+
+SHM_ROOT = Path(os.environ.get("SPECTRAIN_SHM_ROOT", "/dev/shm"))
+GRACE_S = 30.0
+
+
+@dataclass(kw_only=True)
+class LocalContainer:
+    pod: str
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    sidecar: bool
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    exit_code: int | None = None
+
+
+@dataclass(kw_only=True)
+class LocalRun:
+    """One run of a job: processes, directories, outcome."""
+
+    run_dir: Path
+    shm_dir: Path
+    containers: list[LocalContainer] = field(default_factory=list)
+    max_sidecar_restarts: int = 3
+
+    @property
+    def targets(self) -> list[LocalContainer]:
+        return [c for c in self.containers if not c.sidecar]
+
+    @property
+    def sidecars(self) -> list[LocalContainer]:
+        return [c for c in self.containers if c.sidecar]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def load_manifest(path: str | Path) -> dict[str, Any]:
+    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == "SpecTrainJob"]
+    if len(jobs) != 1:
+        raise SystemExit(f"{path}: expected exactly one SpecTrainJob, found {len(jobs)}")
+    return jobs[0]
+
+
+def _resolve_command(argv: list[str]) -> list[str]:
+    """Console scripts live next to this interpreter (the venv); use them even when PATH lacks it."""
+    if not argv:
+        return argv
+    local = Path(sys.executable).parent / argv[0]
+    if "/" not in argv[0] and local.exists():
+        return [str(local), *argv[1:]]
+    return argv
+
+
+def _volume_dirs(pod: dict[str, Any], configmaps: dict[str, dict[str, Any]], run_dir: Path,
+                 shm_dir: Path) -> dict[str, Path]:
+    """Host directory for every pod volume."""
+    name = pod["metadata"]["name"]
+    dirs: dict[str, Path] = {}
+    for vol in pod["spec"].get("volumes", []):
+        vname = vol["name"]
+        if "emptyDir" in vol:
+            if (vol["emptyDir"] or {}).get("medium") == "Memory":
+                d = shm_dir / name / vname      # tmpfs, private to the pod (the ring lives here)
+            else:
+                # One disk for all pods of a machine: the run volume is shared, like a PVC would be.
+                d = run_dir / vname
+        elif "persistentVolumeClaim" in vol:
+            # A claim is shared by every pod that mounts it, as on a cluster.
+            d = run_dir / "pvc" / vol["persistentVolumeClaim"]["claimName"]
+        elif "configMap" in vol:
+            d = run_dir / "pods" / name / vname
+            cm = configmaps.get(vol["configMap"]["name"])
+            if cm is None:
+                raise SystemExit(f"pod {name}: volume {vname} names ConfigMap {vol['configMap']['name']} "
+                                 "that the builders did not produce")
+            d.mkdir(parents=True, exist_ok=True)
+            for key, text in (cm.get("data") or {}).items():
+                (d / key).write_text(text)
+        else:
+            d = run_dir / "pods" / name / vname
+        d.mkdir(parents=True, exist_ok=True)
+        dirs[vname] = d
+    return dirs
+
+
+def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Path], master_port: int,
+                   overrides: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECTRAIN_", "CUDA_MPS_"))}
+    meta = pod["metadata"]
+    for item in c.get("env", []):
+        if "value" in item:
+            value = str(item["value"])
+        else:
+            ref = (item.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath", "")
+            value = {"metadata.name": meta["name"], "metadata.namespace": meta.get("namespace", "default"),
+                     "status.podIP": "127.0.0.1", "spec.nodeName": socket.gethostname()}.get(ref, "")
+        # Paths under a mountPath point at the host directory behind that mount.
+        for mount_path, host in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
+            if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
+                value = str(host) + value[len(mount_path.rstrip("/")):]
+                break
+        env[item["name"]] = value
+    env["MASTER_ADDR"] = "127.0.0.1"
+    env["MASTER_PORT"] = str(master_port)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("SPECTRAIN_DEVICE", "auto")
+    env.update(overrides)
+    return env
+
+
+def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None,
+         env_overrides: dict[str, str] | None = None, drafter: bool = True) -> LocalRun:
+    """Turn the builders' children into local containers (no process started yet)."""
+    job = spec.defaulted(manifest)
+    errors = spec.validate(job)
+    if errors:
+        raise SystemExit("invalid SpecTrainJob:\n" + "\n".join(f"  {e}" for e in errors))
+    # --baseline: the same pods with the drafter off, exactly as RestartWithoutDrafter builds them.
+    children = builders.build_children(job, drafter_disabled=not drafter)
+    pods = [o for o in children if o["kind"] == "Pod"]
+    configmaps = {o["metadata"]["name"]: o for o in children if o["kind"] == "ConfigMap"}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shm = shm_dir or SHM_ROOT / f"spectrain-{os.getpid()}-{job['metadata']['name']}"
+    run = LocalRun(run_dir=run_dir, shm_dir=shm,
+                   max_sidecar_restarts=int(job["spec"]["drafter"].get("maxFailures", 3)))
+    master_port = free_port()
+    (run_dir / "logs").mkdir(exist_ok=True)
+    for pod in pods:
+        vols = _volume_dirs(pod, configmaps, run_dir, shm)
+        pspec = pod["spec"]
+        entries = [(c, c.get("restartPolicy") == "Always") for c in pspec.get("initContainers", [])]
+        entries += [(c, False) for c in pspec["containers"]]
+        for c, sidecar in entries:
+            mounts = {m["mountPath"]: vols[m["name"]] for m in c.get("volumeMounts", []) if m["name"] in vols}
+            argv = _resolve_command([*c.get("command", []), *c.get("args", [])])
+            if not argv:
+                raise SystemExit(f"pod {pod['metadata']['name']} container {c['name']} has no command: "
+                                 "the local backend cannot run an image's default entrypoint; set target.command")
+            run.containers.append(LocalContainer(
+                pod=pod["metadata"]["name"], name=c["name"], argv=argv, sidecar=sidecar,
+                env=_container_env(c, pod, mounts, master_port, env_overrides or {}),
+                log=run_dir / "logs" / f"{pod['metadata']['name']}.{c['name']}.log",
+            ))
+    (run_dir / "job.json").write_text(json.dumps(job, indent=2))
+    data_dirs = sorted({c.env["SPECTRAIN_RUN_DIR"] for c in run.containers if "SPECTRAIN_RUN_DIR" in c.env})
+    (run_dir / "layout.json").write_text(json.dumps({"data_dirs": data_dirs}, indent=2))
+    return run
+
+
+def _start(c: LocalContainer) -> None:
+    with open(c.log, "ab") as log:
+        c.proc = subprocess.Popen(c.argv, env=c.env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+
+
+def _signal(c: LocalContainer, sig: int) -> None:
+    if c.proc is not None and c.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(c.proc.pid, sig)
+
+
+def _stop_all(cs: list[LocalContainer], grace_s: float) -> None:
+    for c in cs:
+        _signal(c, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for c in cs:
+        if c.proc is None:
+            continue
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(c, signal.SIGKILL)
+            c.proc.wait()
+
+
+def execute(run: LocalRun, *, view: ProgressView | None = None, poll_s: float = 0.2) -> int:
+    """Run to completion. Returns 0 when every target exited 0, else the first failing code."""
+    stopping = False
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    old_term = signal.signal(signal.SIGTERM, on_sigint)
+    try:
+        for c in run.sidecars:      # native sidecars start before the main containers
+            _start(c)
+        for c in run.targets:
+            _start(c)
+        while True:
+            if stopping:
+                # Ctrl-C: targets checkpoint on SIGTERM and exit; then the sidecars.
+                _stop_all(run.targets, GRACE_S)
+                _stop_all(run.sidecars, GRACE_S)
+                return 130
+            for c in run.targets:
+                if c.exit_code is None and c.proc is not None and c.proc.poll() is not None:
+                    c.exit_code = c.proc.returncode
+            failed = [c for c in run.targets if c.exit_code not in (None, 0)]
+            if failed:
+                # One rank failed: the gang stops (the operator restarts the whole job).
+                _stop_all(run.targets, GRACE_S)
+                _stop_all(run.sidecars, GRACE_S)
+                for c in failed:
+                    sys.stderr.write(f"{c.pod}/{c.name} exited {c.exit_code}; log: {c.log}\n")
+                return int(failed[0].exit_code or 1)
+            if all(c.exit_code == 0 for c in run.targets):
+                _stop_all(run.sidecars, GRACE_S)
+                return 0
+            for c in run.sidecars:
+                if c.proc is not None and c.proc.poll() is not None:
+                    # A drafter failure never fails the job; restart it like the kubelet would.
+                    if c.restarts < run.max_sidecar_restarts:
+                        c.restarts += 1
+                        _start(c)
+            if view is not None:
+                view.refresh()
+            time.sleep(poll_s)
+    finally:
+        signal.signal(signal.SIGINT, old)
+        signal.signal(signal.SIGTERM, old_term)
+        if view is not None:
+            view.close()
+        shutil.rmtree(run.shm_dir, ignore_errors=True)
+
+
+def run_job(path: str | Path, run_dir: Path, *, resume: bool = False, drafter: bool = True,
+            live: bool = True, env_overrides: dict[str, str] | None = None) -> int:
+    manifest = load_manifest(path)
+    if run_dir.exists() and any(run_dir.iterdir()) and not resume:
+        raise SystemExit(f"--run-dir {run_dir} already holds a run: pass --resume to continue it, "
+                         "or choose another directory")
+    run = plan(manifest, run_dir, drafter=drafter, env_overrides=env_overrides)
+    data_dirs = json.loads((run_dir / "layout.json").read_text())["data_dirs"]
+    view = ProgressView(Path(data_dirs[0]), live=live) if data_dirs else None
+    return execute(run, view=view)
+
+
+def run_main(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir or f"runs/{Path(args.file).stem}")
+    live = sys.stdout.isatty() and not getattr(args, "quiet", False)
+    t0 = time.monotonic()
+    if getattr(args, "baseline", False):
+        # The same job with the drafter off, so the report can compare target step times.
+        base_dir = run_dir / "baseline"
+        print(f"baseline run (drafter off) -> {base_dir}")
+        code = run_job(args.file, base_dir, resume=args.resume, drafter=False, live=live)
+        if code != 0:
+            return code
+    print(f"run -> {run_dir}")
+    code = run_job(args.file, run_dir, resume=args.resume or getattr(args, "baseline", False),
+                   live=live)
+    print(f"job finished with exit code {code} in {time.monotonic() - t0:.0f} s")
+    if code == 0 and getattr(args, "report", False):
+        from spectrain_workloads import report  # lazy: needs matplotlib
+
+        out = report.build_report(run_dir)
+        report.print_headline(run_dir, out)
+    return code

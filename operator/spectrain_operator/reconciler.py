@@ -1,0 +1,206 @@
+"""One reconcile pass for one SpecTrainJob, and the per-job serialisation around it.
+
+A pass reads the job and its pods fresh (never a possibly stale watch body), asks status.decide
+what to do, executes the plan through kube.Kube (children before pods, create-or-get), posts the
+Events, and writes the status once, only when it changed. Passes for one job never overlap:
+triggers that arrive while a pass runs are coalesced into one more pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from spectrain_operator import builders, metrics
+from spectrain_operator import spec as specmod
+from spectrain_operator import status as statusmod
+from spectrain_operator.kube import Kube, RejectedError
+
+Obj = dict[str, Any]
+log = logging.getLogger("spectrain.reconciler")
+
+_VALIDATION_CACHE_MAX = 4096
+
+
+@dataclass
+class _JobSlot:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dirty: bool = False
+    timer: threading.Timer | None = None
+    timer_due: float = 0.0
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, *, clock: Callable[[], datetime] | None = None):
+        self.kube = kube
+        self.clock = clock or (lambda: datetime.now(timezone.utc))
+        self._slots: dict[tuple[str, str], _JobSlot] = {}
+        self._slots_lock = threading.Lock()
+        self._validation: dict[tuple[str, int], list[str]] = {}
+        self.passes = 0
+        self.closed = False
+
+    # ------------------------------------------------------------ triggering
+
+    def _slot(self, key: tuple[str, str]) -> _JobSlot:
+        with self._slots_lock:
+            return self._slots.setdefault(key, _JobSlot())
+
+    def trigger(self, namespace: str, name: str) -> None:
+        """Reconcile the job now, or make the pass running for it run once more."""
+        slot = self._slot((namespace, name))
+        slot.dirty = True
+        while True:
+            if not slot.lock.acquire(blocking=False):
+                return
+            try:
+                while slot.dirty and not self.closed:
+                    slot.dirty = False
+                    self.reconcile_once(namespace, name)
+            finally:
+                slot.lock.release()
+            if not slot.dirty or self.closed:
+                return
+
+    def _requeue(self, namespace: str, name: str, seconds: float) -> None:
+        seconds = min(max(seconds, 0.2), 3600.0)
+        slot = self._slot((namespace, name))
+        due = time.monotonic() + seconds
+        with self._slots_lock:
+            if slot.timer is not None and slot.timer.is_alive() and slot.timer_due <= due:
+                return
+            if slot.timer is not None:
+                slot.timer.cancel()
+            timer = threading.Timer(seconds, self._fire, args=(namespace, name))
+            timer.daemon = True
+            slot.timer, slot.timer_due = timer, due
+            timer.start()
+
+    def _fire(self, namespace: str, name: str) -> None:
+        try:
+            self.trigger(namespace, name)
+        except Exception:  # the periodic resync retries; never let a timer thread die loudly
+            log.exception("requeued reconcile of %s/%s failed", namespace, name)
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._slots_lock:
+            slot = self._slots.pop((namespace, name), None)
+        if slot is not None and slot.timer is not None:
+            slot.timer.cancel()
+        metrics.forget(namespace, name)
+
+    def close(self) -> None:
+        self.closed = True
+        with self._slots_lock:
+            for slot in self._slots.values():
+                if slot.timer is not None:
+                    slot.timer.cancel()
+
+    # ------------------------------------------------------------ one pass
+
+    def _spec_errors(self, job: Obj) -> list[str]:
+        meta = job.get("metadata") or {}
+        key = (str(meta.get("uid", "")), int(meta.get("generation") or 0))
+        if key[0] and key in self._validation:
+            return self._validation[key]
+        errors = specmod.validate(job)
+        if len(self._validation) > _VALIDATION_CACHE_MAX:
+            self._validation.clear()
+        if key[0]:
+            self._validation[key] = errors
+        return errors
+
+    def reconcile_once(self, namespace: str, name: str) -> statusmod.Plan | None:
+        started = time.perf_counter()
+        try:
+            plan = self._pass(namespace, name)
+        except Exception as exc:
+            metrics.RECONCILES.labels(result="error").inc()
+            metrics.ERRORS.labels(kind=type(exc).__name__).inc()
+            raise
+        finally:
+            metrics.LATENCY.observe(time.perf_counter() - started)
+        metrics.RECONCILES.labels(result="ok").inc()
+        return plan
+
+    def _pass(self, namespace: str, name: str) -> statusmod.Plan | None:
+        self.passes += 1
+        raw = self.kube.get_job(namespace, name)
+        if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
+            self.forget(namespace, name)
+            return None
+        errors = self._spec_errors(raw)
+        job = specmod.apply_defaults(raw)
+        if errors and not isinstance(job.get("spec"), dict):
+            job["spec"] = {}
+        if errors:
+            return self._finish_invalid(job, errors)
+        now = self.clock()
+        pods = self.kube.list_pods(namespace, builders.selector(job))
+        plan = statusmod.decide(job, pods, now)
+        if plan.create_nodes:
+            plan = self._create(job, pods, now, plan)
+        self._execute(job, plan)
+        return plan
+
+    def _create(self, job: Obj, pods: list[Obj], now: datetime, plan: statusmod.Plan) -> statusmod.Plan:
+        ns = job["metadata"]["namespace"]
+        claims = specmod.claims(job["spec"])
+        missing = set(self.kube.missing_claims(ns, [c for _, c in claims])) if claims else set()
+        if missing:
+            errors = [f"{path}: PersistentVolumeClaim {claim!r} not found in namespace {ns}; create it, "
+                      "then recreate the job" for path, claim in claims if claim in missing]
+            return statusmod.decide(job, pods, now, errors)
+        try:
+            pod_objs, extras = builders.pods(job, generation=plan.generation, drafter_disabled=plan.drafter_disabled,
+                                             nodes=plan.create_nodes)
+            for obj in [*builders.children(job), *extras, *pod_objs]:
+                self.kube.create(obj)
+        except (ValueError, RejectedError) as exc:  # a builder refusing the spec, or the API server refusing a child
+            return statusmod.decide(job, pods, now, [str(exc)])
+        return plan
+
+    def _finish_invalid(self, job: Obj, errors: list[str]) -> statusmod.Plan | None:
+        """A spec that is not even structurally usable for decide(): report it and stop."""
+        if not specmod.schema_errors(job):
+            now = self.clock()
+            pods = self.kube.list_pods(job["metadata"]["namespace"], builders.selector(job))
+            plan = statusmod.decide(job, pods, now, errors)
+            self._execute(job, plan)
+            return plan
+        old: Obj = job["status"] if isinstance(job.get("status"), dict) else {}
+        stamp = statusmod.fmt_time(self.clock())
+        conds = statusmod.Conditions(old.get("conditions"), self.clock(), int(job["metadata"].get("generation") or 0))
+        conds.set("SpecInvalid", True, "InvalidSpec", "; ".join(errors[:8]))
+        conds.set("Failed", True, "SpecInvalid", "; ".join(errors[:8]))
+        new = {"phase": "Failed", "observedGeneration": int(job["metadata"].get("generation") or 0),
+               "conditions": conds.as_list(), "completionTime": old.get("completionTime") or stamp}
+        self._write_status(job, new, old, [statusmod.Event("Warning", "Failed", "; ".join(errors[:8]))]
+                           if old.get("phase") != "Failed" else [])
+        return None
+
+    def _execute(self, job: Obj, plan: statusmod.Plan) -> None:
+        meta = job["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        for pod_name in plan.delete_pods:
+            self.kube.delete_pod(ns, pod_name)
+        old: Obj = job["status"] if isinstance(job.get("status"), dict) else {}
+        self._write_status(job, plan.status, old, plan.events)
+        metrics.set_phase(ns, name, plan.status.get("phase", "Pending"))
+        if plan.delete_job:
+            self.kube.delete_job(ns, name)
+            self.forget(ns, name)
+        elif plan.requeue_after is not None:
+            self._requeue(ns, name, plan.requeue_after)
+
+    def _write_status(self, job: Obj, new: Obj, old: Obj, events: list[statusmod.Event]) -> None:
+        meta = job["metadata"]
+        if any(old.get(k) != v for k, v in new.items()) or any(k not in new for k in old):
+            self.kube.patch_status(meta["namespace"], meta["name"], new, old)
+        for event in events:
+            self.kube.post_event(job, event)

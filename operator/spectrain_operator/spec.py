@@ -1,0 +1,364 @@
+"""Offline understanding of a SpecTrainJob: load, default and validate it exactly as the API server
+would (the CRD's own structural schema, defaults and CEL rule strings, evaluated with celpy), plus
+the semantic checks the schema cannot express (model layers divisible by the pipeline degree, known
+presets). Every error is one line that starts with the field path and says how to fix it.
+
+Used by `spectrain validate`/`render`, the local backend and the operator's reconcile (a 1.20 API
+server has no CEL, so the operator re-checks the rules and reports SpecInvalid).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.resources
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+GROUP = "spectrain.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "SpecTrainJob"
+PLURAL = "spectrainjobs"
+CRD_FILE = "spectrain.io_spectrainjobs.yaml"
+
+Obj = dict[str, Any]
+
+
+class SpecError(ValueError):
+    """A manifest that cannot run; `errors` holds one line per problem, each naming the field."""
+
+    def __init__(self, errors: list[str]):
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+@functools.cache
+def crd() -> Obj:
+    """The CRD this package ships (a byte copy of crds/, kept identical by scripts/gen.py)."""
+    repo_copy = Path(__file__).resolve().parents[2] / "crds" / CRD_FILE
+    if repo_copy.is_file():
+        text = repo_copy.read_text()
+    else:
+        text = importlib.resources.files("spectrain_operator").joinpath("data", CRD_FILE).read_text()
+    return dict(yaml.safe_load(text))
+
+
+def schema() -> Obj:
+    return dict(crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
+def load_manifests(path: str | Path) -> list[Obj]:
+    """Every non-empty YAML document of a file ('-' is not supported: pass a path)."""
+    text = Path(path).read_text()
+    docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    return docs
+
+
+# ---------------------------------------------------------------- defaulting (API-server algorithm)
+
+def _prune_nulls(value: Any, node: Obj) -> Any:
+    if isinstance(value, dict):
+        props = node.get("properties") or {}
+        extra = node.get("additionalProperties") if isinstance(node.get("additionalProperties"), dict) else None
+        out = {}
+        for key, sub in value.items():
+            child = props.get(key, extra)
+            if sub is None and not (child or {}).get("nullable") and child is not None:
+                continue
+            out[key] = _prune_nulls(sub, child) if child is not None else sub
+        return out
+    if isinstance(value, list) and isinstance(node.get("items"), dict):
+        return [_prune_nulls(v, node["items"]) for v in value]
+    return value
+
+
+def _default(value: Any, node: Obj) -> Any:
+    if isinstance(value, dict):
+        props = node.get("properties") or {}
+        for key, child in props.items():
+            if key not in value and "default" in child:
+                value[key] = copy.deepcopy(child["default"])
+        for key, sub in value.items():
+            child = props.get(key)
+            if child is None and isinstance(node.get("additionalProperties"), dict):
+                child = node["additionalProperties"]
+            if child is not None:
+                value[key] = _default(sub, child)
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        return [_default(v, node["items"]) for v in value]
+    return value
+
+
+def apply_defaults(manifest: Obj) -> Obj:
+    """A deep copy with nulls of non-nullable fields pruned and the CRD's defaults applied."""
+    root = schema()
+    obj = _prune_nulls(copy.deepcopy(manifest), root)
+    if isinstance(obj.get("spec"), dict):
+        obj["spec"] = _default(obj["spec"], root["properties"]["spec"])
+    return obj
+
+
+# ---------------------------------------------------------------- structural schema validation
+
+_TYPES = {"string": "a string", "integer": "an integer", "number": "a number", "boolean": "a boolean",
+          "object": "a mapping", "array": "a list"}
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _type_ok(value: Any, t: str) -> bool:
+    if t == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if t == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, {"string": str, "boolean": bool, "object": dict, "array": list}[t])
+
+
+def _schema_errors(value: Any, node: Obj, path: str, out: list[str]) -> None:
+    if value is None:
+        if not node.get("nullable"):
+            out.append(f"{path}: must not be null")
+        return
+    if node.get("x-kubernetes-int-or-string"):
+        if not (isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))):
+            out.append(f"{path}: must be an integer or a quantity string like 8Gi (got {_show(value)})")
+        elif isinstance(value, str) and "pattern" in node and not re.search(node["pattern"], value):
+            out.append(f"{path}: {_show(value)} is not a valid quantity (examples: 256Mi, 8Gi, 1000)")
+        return
+    t = node.get("type")
+    if t and not _type_ok(value, t):
+        out.append(f"{path}: must be {_TYPES[t]} (got {type(value).__name__} {_show(value)})")
+        return
+    if "enum" in node and value not in node["enum"]:
+        allowed = ", ".join(str(v) for v in node["enum"] if v != "")
+        out.append(f"{path}: {_show(value)} is not one of: {allowed}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "minimum" in node:
+            if node.get("exclusiveMinimum") and value <= node["minimum"]:
+                out.append(f"{path}: must be > {node['minimum']} (got {_show(value)})")
+            elif value < node["minimum"]:
+                out.append(f"{path}: must be >= {node['minimum']} (got {_show(value)})")
+        if "maximum" in node and value > node["maximum"]:
+            out.append(f"{path}: must be <= {node['maximum']} (got {_show(value)})")
+    if isinstance(value, str):
+        if len(value) < node.get("minLength", 0):
+            out.append(f"{path}: must not be empty" if node["minLength"] == 1
+                       else f"{path}: must be at least {node['minLength']} characters")
+        if "maxLength" in node and len(value) > node["maxLength"]:
+            out.append(f"{path}: must be at most {node['maxLength']} characters (got {len(value)})")
+        if "pattern" in node and not re.search(node["pattern"], value):
+            out.append(f"{path}: {_show(value)} is not of the required form: {node.get('description', node['pattern'])}")
+    if isinstance(value, list):
+        if len(value) < node.get("minItems", 0):
+            out.append(f"{path}: must have at least {node['minItems']} item(s)")
+        if "maxItems" in node and len(value) > node["maxItems"]:
+            out.append(f"{path}: must have at most {node['maxItems']} items (got {len(value)})")
+        if node.get("x-kubernetes-list-type") == "set":
+            seen: list[Any] = []
+            for v in value:
+                if v in seen:
+                    out.append(f"{path}: duplicate entry {_show(v)}")
+                seen.append(v)
+        items = node.get("items")
+        if isinstance(items, dict):
+            for idx, item in enumerate(value):
+                _schema_errors(item, items, f"{path}[{idx}]", out)
+    if isinstance(value, dict):
+        props = node.get("properties") or {}
+        for req in node.get("required", []):
+            if req not in value:
+                out.append(f"{path}.{req}: required")
+        extra = node.get("additionalProperties")
+        for key, sub in value.items():
+            sub_path = f"{path}.{key}" if path else str(key)
+            if key in props:
+                _schema_errors(sub, props[key], sub_path, out)
+            elif isinstance(extra, dict):
+                _schema_errors(sub, extra, sub_path, out)
+            elif not node.get("x-kubernetes-preserve-unknown-fields"):
+                out.append(f"{sub_path}: unknown field (the API server would drop it; check the spelling)")
+
+
+def schema_errors(obj: Obj) -> list[str]:
+    """Errors of a defaulted manifest against the CRD's structural schema (status is not checked)."""
+    out: list[str] = []
+    if obj.get("apiVersion") != API_VERSION:
+        out.append(f"apiVersion: must be {API_VERSION} (got {_show(obj.get('apiVersion'))})")
+    if obj.get("kind") != KIND:
+        out.append(f"kind: must be {KIND} (got {_show(obj.get('kind'))})")
+    root = schema()
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) or not meta.get("name"):
+        out.append("metadata.name: required (a DNS-1035 label such as my-job)")
+    else:
+        _schema_errors(meta["name"], root["properties"]["metadata"]["properties"]["name"], "metadata.name", out)
+        if not isinstance(meta.get("namespace", ""), str):
+            out.append("metadata.namespace: must be a string")
+    if "spec" not in obj:
+        out.append("spec: required")
+    else:
+        _schema_errors(obj["spec"], root["properties"]["spec"], "spec", out)
+    return out
+
+
+# ---------------------------------------------------------------- CEL rules (the CRD's own strings)
+
+@functools.cache
+def _program(expr: str) -> Any:
+    import celpy
+
+    env = celpy.Environment()
+    return env.program(env.compile(expr))
+
+
+def _cel_walk(value: Any, old: Any, node: Obj, path: str, out: list[str]) -> None:
+    import celpy
+
+    for r in node.get("x-kubernetes-validations", []):
+        expr, message = r["rule"], r.get("message") or f"failed rule {r['rule']}"
+        transition = "oldSelf" in expr
+        if transition and old is None:
+            continue
+        activation = {"self": celpy.json_to_cel(value)}
+        if transition:
+            activation["oldSelf"] = celpy.json_to_cel(old)
+        try:
+            ok = bool(_program(expr).evaluate(activation))
+        except Exception as exc:  # celpy raises its own error types for overflow, missing fields, ...
+            ok = False
+            message = f"{message} (rule {expr!r} could not be evaluated: {str(exc).splitlines()[0][:120]})"
+        if not ok:
+            out.append(message if message.startswith(path) and path else
+                       (f"{path}: {message}" if path else message))
+    if isinstance(value, dict):
+        for key, child in (node.get("properties") or {}).items():
+            if key in value and value[key] is not None:
+                sub_old = old.get(key) if isinstance(old, dict) else None
+                _cel_walk(value[key], sub_old, child, f"{path}.{key}" if path else key, out)
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        for idx, item in enumerate(value):
+            _cel_walk(item, None, node["items"], f"{path}[{idx}]", out)
+
+
+def cel_errors(obj: Obj, old: Obj | None = None) -> list[str]:
+    """The CRD's x-kubernetes-validations on a defaulted, schema-valid manifest; transition rules
+    (oldSelf) only when `old` (the stored object, defaulted) is given."""
+    root = schema()
+    out: list[str] = []
+    view = {k: v for k, v in obj.items() if k in ("apiVersion", "kind", "metadata", "spec")}
+    old_view = {k: v for k, v in old.items() if k in ("apiVersion", "kind", "metadata", "spec")} if old else None
+    # Root rules see self.metadata.name only, as in the API server.
+    for r in root.get("x-kubernetes-validations", []):
+        sub = {"x-kubernetes-validations": [r]}
+        _cel_walk({"metadata": {"name": (view.get("metadata") or {}).get("name", "")}}, None, sub, "", out)
+    _cel_walk(view.get("spec"), (old_view or {}).get("spec"), root["properties"]["spec"], "spec", out)
+    return out
+
+
+# ---------------------------------------------------------------- semantic checks
+
+def semantic_errors(obj: Obj) -> list[str]:
+    """What passes schema and CEL but still cannot run."""
+    from spectrain_workloads import presets  # torch-free by contract
+
+    spec = obj["spec"]
+    target = spec["target"]
+    out: list[str] = []
+    model = target["model"]
+    for field, name in (("spec.target.model.preset", model["preset"]), ("spec.drafter.preset",
+                                                                           spec["drafter"]["preset"])):
+        if name not in presets.PRESETS:
+            out.append(f"{field}: preset {name!r} is unknown to the workloads (known: {', '.join(presets.PRESETS)})")
+    if model["preset"] not in presets.PRESETS:
+        return out
+    overrides = model.get("overrides") or {}
+    layers_raw = overrides.get("n_layers", presets.PRESETS[model["preset"]].get("n_layers",
+                                                                                presets.DEFAULT_N_LAYERS))
+    if not isinstance(layers_raw, int) or isinstance(layers_raw, bool) or layers_raw < 1:
+        out.append(f"spec.target.model.overrides.n_layers: must be a positive integer (got {_show(layers_raw)})")
+        return out
+    pipeline = target["parallelism"]["pipeline"]
+    if layers_raw % pipeline:
+        out.append(f"spec.target.parallelism.pipeline: {pipeline} stages do not divide the model's {layers_raw} "
+                   f"layers (preset {model['preset']}); choose a divisor of {layers_raw} or set "
+                   "spec.target.model.overrides.n_layers")
+    if target["parallelism"]["schedule"] == "Interleaved1F1B" and layers_raw % (2 * pipeline):
+        out.append(f"spec.target.parallelism.schedule: Interleaved1F1B needs 2 virtual stages per rank, so "
+                   f"2 * pipeline ({2 * pipeline}) must divide the model's {layers_raw} layers")
+    max_len = overrides.get("max_seq_len", presets.PRESETS[model["preset"]].get("max_seq_len"))
+    if isinstance(max_len, int) and target["data"]["seqLen"] > max_len:
+        out.append(f"spec.target.data.seqLen: {target['data']['seqLen']} exceeds the model's max_seq_len "
+                   f"{max_len} (preset {model['preset']}); lower seqLen or set "
+                   "spec.target.model.overrides.max_seq_len")
+    return out
+
+
+# ---------------------------------------------------------------- entry points
+
+def validate(manifest: Obj, old: Obj | None = None, *, semantic: bool = True) -> list[str]:
+    """All errors of a manifest, one line each, field path first; [] when it can run."""
+    if not isinstance(manifest, dict):
+        return [f"(document): must be a mapping with apiVersion, kind, metadata and spec "
+                f"(got {type(manifest).__name__})"]
+    obj = apply_defaults(manifest)
+    errors = schema_errors(obj)
+    if errors:
+        return errors
+    errors = cel_errors(obj, apply_defaults(old) if old else None)
+    if errors or not semantic:
+        return errors
+    return semantic_errors(obj)
+
+
+def defaulted(manifest: Obj) -> Obj:
+    """The manifest with defaults applied; SpecError (all errors) when it is not valid."""
+    errors = validate(manifest)
+    if errors:
+        raise SpecError(errors)
+    obj = apply_defaults(manifest)
+    obj.setdefault("metadata", {}).setdefault("namespace", "default")
+    return obj
+
+
+def claims(spec: Obj) -> list[tuple[str, str]]:
+    """(field path, PVC name) of every claim the job mounts."""
+    out = []
+    if spec["target"]["checkpoint"]["claimName"]:
+        out.append(("spec.target.checkpoint.claimName", spec["target"]["checkpoint"]["claimName"]))
+    if spec["drafter"]["export"]["claimName"]:
+        out.append(("spec.drafter.export.claimName", spec["drafter"]["export"]["claimName"]))
+    claim = data_claim(spec)
+    if claim:
+        out.append(("spec.target.data.source", claim))
+    return out
+
+
+def data_claim(spec: Obj) -> str | None:
+    source = spec["target"]["data"]["source"]
+    if source.startswith("pvc://"):
+        return source[len("pvc://"):].split("/", 1)[0]
+    return None
+
+
+def iter_errors(paths: Iterable[str | Path]) -> Iterable[tuple[str, str]]:
+    """(location, error) for every document of every file; location is FILE or FILE#N."""
+    for path in paths:
+        try:
+            docs = load_manifests(path)
+        except (OSError, yaml.YAMLError) as exc:
+            yield str(path), f"(file): cannot read: {str(exc).splitlines()[0]}"
+            continue
+        if not docs:
+            yield str(path), "(file): no YAML document found"
+        for idx, doc in enumerate(docs):
+            where = str(path) if len(docs) == 1 else f"{path}#{idx}"
+            for err in validate(doc):
+                yield where, err

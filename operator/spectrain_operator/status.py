@@ -1,0 +1,474 @@
+"""Pure reconcile logic: (job, its pods, now) -> a Plan (the new status, pods to create and delete,
+Events, whether to delete the job, when to look again). No API calls: kube.py executes the plan and
+handlers.py wires it to kopf. The whole lifecycle of API.md lives here:
+
+- spec errors (CEL/semantic/missing claims) -> Failed + SpecInvalid, nothing created;
+- Succeeded / Failed are terminal; ttlSecondsAfterFinished then deletes the job;
+- activeDeadlineSeconds (from status.startTime) -> Failed/DeadlineExceeded;
+- suspend deletes the pods and keeps the rest; resume recreates them (the workloads resume from
+  their last checkpoint);
+- a target failure restarts the whole job (gang): a new restart generation, exponential backoff,
+  up to runPolicy.maxRestarts; failurePolicy rules through faults.action_for (FailJob,
+  RestartJob, RestartJobIgnoreMax, RestartWithoutDrafter);
+- drafter failures never fail the job: counted, and past drafter.maxFailures the drafter is
+  disabled (DrafterDegraded);
+- pods deleted by someone else are recreated, counted as a restart (not against maxRestarts);
+- Succeeded when every target container exited 0.
+
+State that must survive an operator restart lives in the status (restarts, restartGeneration,
+restartAt, podsCreated, drafterDisabled); every field is parsed defensively, so a status written
+by a user cannot crash the operator.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from spectrain_operator import builders, faults
+
+Obj = dict[str, Any]
+
+MAX_BACKOFF_S = 3600.0
+TERMINAL = ("Succeeded", "Failed")
+PHASES = ("Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+DRAFTER_STATES = ("Disabled", "Waiting", "Active", "Degraded")
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Plan:
+    status: Obj
+    create_nodes: list[int] = field(default_factory=list)
+    delete_pods: list[str] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    delete_job: bool = False
+    requeue_after: float | None = None
+    generation: int = 0
+    drafter_disabled: bool = False
+
+    def requeue(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self.requeue_after = seconds if self.requeue_after is None else min(self.requeue_after, seconds)
+
+
+# ---------------------------------------------------------------- helpers
+
+def backoff_seconds(base: float, attempt: int) -> float:
+    """Delay before restart number `attempt` (1-based): base * 2^(attempt-1), capped at an hour."""
+    if base <= 0 or attempt <= 0:
+        return 0.0
+    return float(min(base * 2 ** min(attempt - 1, 30), MAX_BACKOFF_S))
+
+
+def fmt_time(t: datetime) -> str:
+    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: Any) -> datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        t = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+def _nonneg_int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _container(pod: Obj, name: str, init: bool = False) -> Obj | None:
+    key = "initContainerStatuses" if init else "containerStatuses"
+    for c in (pod.get("status") or {}).get(key) or []:
+        if isinstance(c, dict) and c.get("name") == name:
+            return c
+    return None
+
+
+def target_exit_code(pod: Obj) -> int | None:
+    c = _container(pod, "target")
+    term = ((c or {}).get("state") or {}).get("terminated")
+    if isinstance(term, dict):
+        code = term.get("exitCode")
+        return code if isinstance(code, int) else -1
+    return None
+
+
+def pod_succeeded(pod: Obj) -> bool:
+    return target_exit_code(pod) == 0 or (pod.get("status") or {}).get("phase") == "Succeeded"
+
+
+def pod_running(pod: Obj) -> bool:
+    return (pod.get("status") or {}).get("phase") == "Running"
+
+
+def pod_ready(pod: Obj) -> bool:
+    return any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def pod_scheduled(pod: Obj) -> bool:
+    if (pod.get("spec") or {}).get("nodeName"):
+        return True
+    return any(isinstance(c, dict) and c.get("type") == "PodScheduled" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def pod_generation(pod: Obj) -> int | None:
+    value = ((pod.get("metadata") or {}).get("labels") or {}).get(builders.LABEL_GENERATION)
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def pod_node(pod: Obj) -> int | None:
+    value = ((pod.get("metadata") or {}).get("labels") or {}).get(builders.LABEL_NODE)
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def _annotation(pod: Obj, key: str) -> Obj | None:
+    raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(key)
+    if not isinstance(raw, str) or len(raw) > 65536:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class Conditions:
+    """metav1.Conditions keyed by type; lastTransitionTime changes only when status flips."""
+
+    def __init__(self, existing: Any, now: datetime, generation: int):
+        self.items: dict[str, Obj] = {}
+        for c in existing if isinstance(existing, list) else []:
+            if isinstance(c, dict) and isinstance(c.get("type"), str) and c.get("status") in ("True", "False", "Unknown"):
+                self.items[c["type"]] = dict(c)
+        self.now = fmt_time(now)
+        self.generation = generation
+
+    def set(self, type_: str, status: bool, reason: str, message: str) -> None:
+        value = "True" if status else "False"
+        old = self.items.get(type_)
+        since = self.now if old is None or old.get("status") != value else old.get("lastTransitionTime", self.now)
+        self.items[type_] = {"type": type_, "status": value, "reason": reason, "message": message[:2000],
+                             "lastTransitionTime": since,
+                             "observedGeneration": self.generation}
+
+    def clear(self, type_: str, reason: str, message: str = "") -> None:
+        """Set False only if the condition was ever reported."""
+        if type_ in self.items:
+            self.set(type_, False, reason, message)
+
+    def is_true(self, type_: str) -> bool:
+        return self.items.get(type_, {}).get("status") == "True"
+
+    def as_list(self) -> list[Obj]:
+        return list(self.items.values())
+
+
+# ---------------------------------------------------------------- progress / drafter summaries
+
+def progress_from(pods_by_node: dict[int, Obj], previous: Any, total_steps: int) -> Obj:
+    data = _annotation(pods_by_node[0], builders.ANNOTATION_PROGRESS) if 0 in pods_by_node else None
+    if data is None:
+        if isinstance(previous, dict) and isinstance(previous.get("step"), int):
+            return {**previous, "totalSteps": total_steps}
+        return {"step": 0, "totalSteps": total_steps}
+    out: Obj = {"step": _nonneg_int(data.get("step")), "totalSteps": total_steps,
+                "loss": _finite(data.get("loss")), "tokensPerSecond": _finite(data.get("tokensPerSecond"))}
+    updated = data.get("updatedAt")
+    out["updatedAt"] = str(updated)[:64] if isinstance(updated, (str, int, float)) and not isinstance(updated, bool) else None
+    return out
+
+
+def drafter_from(pods_by_node: dict[int, Obj], previous: Any, *, enabled: bool, degraded: bool) -> Obj:
+    reports = [r for r in (_annotation(p, builders.ANNOTATION_DRAFTER) for _, p in sorted(pods_by_node.items()))
+               if r is not None]
+    prev = previous if isinstance(previous, dict) else {}
+    artifact = next((str(r["artifact"])[:1024] for r in reports if isinstance(r.get("artifact"), str) and r["artifact"]),
+                    prev.get("artifact") if isinstance(prev.get("artifact"), str) else "")
+    harvested = [v for v in (_finite(r.get("harvestedSeconds")) for r in reports) if v is not None]
+    efficiency = [v for v in (_finite(r.get("harvestEfficiency")) for r in reports) if v is not None]
+    acceptance = [v for v in (_finite(r.get("acceptanceLength")) for r in reports) if v is not None]
+    active = sum(1 for r in reports if r.get("state") == "Active")
+    if degraded:
+        state = "Degraded"
+    elif not enabled:
+        state = "Disabled"
+    elif active:
+        state = "Active"
+    elif any(r.get("state") == "Degraded" for r in reports):
+        state = "Degraded"
+    else:
+        state = "Waiting"
+    out: Obj = {"state": state, "activeRanks": active,
+                "harvestedSeconds": round(sum(harvested), 3) if harvested else _finite(prev.get("harvestedSeconds")) or 0.0,
+                "harvestEfficiency": round(sum(efficiency) / len(efficiency), 4) if efficiency
+                else _finite(prev.get("harvestEfficiency")) or 0.0,
+                "acceptanceLength": round(sum(acceptance) / len(acceptance), 4) if acceptance
+                else _finite(prev.get("acceptanceLength")),
+                "artifact": artifact}
+    return out
+
+
+# ---------------------------------------------------------------- the decision
+
+def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | None = None) -> Plan:
+    """What to do for `job` (defaulted) given the pods carrying its label, at time `now`."""
+    spec = job["spec"]
+    meta = job.get("metadata") or {}
+    old: Obj = job["status"] if isinstance(job.get("status"), dict) else {}
+    generation = _nonneg_int(meta.get("generation"))
+    nodes = int(spec["target"]["nodes"])
+    run_policy = spec["runPolicy"]
+    prev_phase = old.get("phase") if old.get("phase") in PHASES else None
+
+    st: Obj = {
+        "observedGeneration": generation,
+        "restarts": _nonneg_int(old.get("restarts")),
+        "restartsTowardsMax": _nonneg_int(old.get("restartsTowardsMax")),
+        "restartGeneration": _nonneg_int(old.get("restartGeneration")),
+        "restartAt": fmt_time(t) if (t := parse_time(old.get("restartAt"))) else None,
+        "podsCreated": old.get("podsCreated") is True,
+        "drafterDisabled": old.get("drafterDisabled") is True,
+        "drafterFailures": _nonneg_int(old.get("drafterFailures")),
+        "lastFailure": old["lastFailure"][:2000] if isinstance(old.get("lastFailure"), str) else "",
+        "startTime": fmt_time(t) if (t := parse_time(old.get("startTime"))) else None,
+        "completionTime": fmt_time(t) if (t := parse_time(old.get("completionTime"))) else None,
+    }
+    conds = Conditions(old.get("conditions"), now, generation)
+    plan = Plan(status=st, generation=st["restartGeneration"])
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    current = {n: p for p in live if pod_generation(p) == st["restartGeneration"]
+               and (n := pod_node(p)) is not None and 0 <= n < nodes}
+    stale = [p["metadata"]["name"] for p in live if p not in current.values()]
+    names_in_use = {p["metadata"]["name"] for p in pods}
+    phase: str
+    reason: str
+    message: str
+
+    def active_pods() -> list[str]:
+        return [p["metadata"]["name"] for p in live
+                if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+
+    def finish(ok: bool, why: str, text: str, delete: list[str]) -> tuple[str, str, str]:
+        st["completionTime"] = st["completionTime"] or fmt_time(now)
+        st["restartAt"] = None
+        plan.delete_pods = delete
+        conds.set("Succeeded" if ok else "Failed", True, why, text)
+        conds.clear("Running", why, text)
+        conds.clear("Restarting", why)
+        return ("Succeeded" if ok else "Failed"), why, text
+
+    def restart(why: str, text: str, counted: bool, without_drafter: bool = False,
+                immediate: bool = False) -> tuple[str, str, str]:
+        st["restarts"] += 1
+        if counted:
+            st["restartsTowardsMax"] += 1
+        st["restartGeneration"] += 1
+        st["podsCreated"] = False
+        st["lastFailure"] = text[:2000]
+        attempt = st["restartsTowardsMax"] if counted else st["restarts"]
+        delay = 0.0 if immediate else backoff_seconds(run_policy["backoffSeconds"], attempt)
+        st["restartAt"] = fmt_time(now + timedelta(seconds=delay)) if delay else None
+        if without_drafter and not st["drafterDisabled"]:
+            st["drafterDisabled"] = True
+            conds.set("DrafterDegraded", True, "RestartWithoutDrafter", text)
+        plan.generation = st["restartGeneration"]
+        plan.delete_pods = [p["metadata"]["name"] for p in live]
+        plan.events.append(Event("Warning", why, f"{text}; restart {st['restarts']} in {delay:.0f}s"
+                                 + (" without the drafter" if without_drafter else "")))
+        plan.requeue(delay)
+        conds.set("Restarting", True, why, text)
+        return "Restarting", why, text
+
+    # 1. a spec that cannot run: Failed + SpecInvalid, nothing created
+    if spec_errors:
+        text = "; ".join(spec_errors[:8])
+        conds.set("SpecInvalid", True, "InvalidSpec", text)
+        if prev_phase in TERMINAL and conds.is_true("Failed"):
+            phase, reason, message = prev_phase, "InvalidSpec", text
+            plan.delete_pods = active_pods()
+        else:
+            phase, reason, message = finish(False, "SpecInvalid", text, active_pods())
+    # 2. terminal phases stay terminal; TTL
+    elif prev_phase in TERMINAL:
+        phase, reason, message = prev_phase, prev_phase, ""
+        if prev_phase == "Failed":
+            plan.delete_pods = active_pods()
+        if st["completionTime"] is None:
+            st["completionTime"] = fmt_time(now)
+    # 3. deadline
+    elif (deadline := run_policy.get("activeDeadlineSeconds")) and st["startTime"] and not spec["suspend"] and \
+            now >= parse_time(st["startTime"]) + timedelta(seconds=deadline):  # type: ignore[operator]
+        phase, reason, message = finish(False, "DeadlineExceeded",
+                                        f"running longer than activeDeadlineSeconds {deadline}", active_pods())
+    # 4. suspend
+    elif spec["suspend"]:
+        plan.delete_pods = [p["metadata"]["name"] for p in live]
+        st["podsCreated"] = False
+        st["startTime"] = None
+        st["restartAt"] = None
+        conds.set("Suspended", True, "Suspended", "spec.suspend is true: pods deleted, the rest kept")
+        conds.clear("Running", "Suspended")
+        conds.clear("Restarting", "Suspended")
+        phase, reason, message = "Suspended", "Suspended", "spec.suspend is true"
+    else:
+        if conds.is_true("Suspended"):
+            conds.set("Suspended", False, "Resumed", "spec.suspend is false: pods recreated from the last checkpoint")
+        phase, reason, message = _run(job, st, conds, plan, current, stale, names_in_use, now, restart, finish)
+
+    # drafter failures (never fail the job)
+    drafter_enabled = bool(spec["drafter"]["enabled"])
+    if current and drafter_enabled:
+        restarts_seen = max((_nonneg_int((_container(p, "drafter", init=True) or {}).get("restartCount"))
+                             for p in current.values()), default=0)
+        st["drafterFailures"] = max(st["drafterFailures"], restarts_seen)
+        limit = int(spec["drafter"]["maxFailures"])
+        if st["drafterFailures"] > limit and not st["drafterDisabled"] and phase not in TERMINAL:
+            st["drafterDisabled"] = True
+            text = (f"the drafter failed {st['drafterFailures']} times on one rank (maxFailures {limit}); "
+                    "it is disabled from the next restart on")
+            conds.set("DrafterDegraded", True, "TooManyFailures", text)
+            plan.events.append(Event("Warning", "DrafterDegraded", text))
+    plan.drafter_disabled = st["drafterDisabled"]
+
+    # summaries, conditions, ranks
+    degraded = conds.is_true("DrafterDegraded")
+    st["progress"] = progress_from(current, old.get("progress"), int(spec["target"]["steps"]))
+    st["drafter"] = drafter_from(current, old.get("drafter"), enabled=drafter_enabled and not st["drafterDisabled"],
+                                 degraded=degraded)
+    if st["drafter"]["activeRanks"]:
+        conds.set("DrafterActive", True, "Harvesting", f"{st['drafter']['activeRanks']} rank(s) training the drafter")
+    else:
+        conds.clear("DrafterActive", st["drafter"]["state"])
+    if not spec["target"]["checkpoint"]["claimName"]:
+        conds.set("CheckpointEphemeral", True, "EmptyDirCheckpoint",
+                  "spec.target.checkpoint.claimName is empty: checkpoints live in an emptyDir and are lost with "
+                  "the pods; set a PVC to resume after restarts")
+    ranks = {"desired": nodes,
+             "ready": sum(1 for p in current.values() if pod_ready(p)),
+             "running": sum(1 for p in current.values() if pod_running(p)),
+             "succeeded": sum(1 for p in current.values() if pod_succeeded(p)),
+             "failed": sum(1 for p in current.values() if (target_exit_code(p) or 0) != 0)}
+    st["ranks"] = ranks
+    st["ready"] = f"{ranks['ready']}/{nodes}"
+    st["phase"] = phase
+    st["conditions"] = conds.as_list()
+
+    if phase != prev_phase:
+        kind = "Warning" if phase in ("Failed", "Restarting") else "Normal"
+        plan.events.append(Event(kind, phase, message or f"phase {prev_phase or 'none'} -> {phase}"))
+
+    # TTL after finishing
+    ttl = run_policy.get("ttlSecondsAfterFinished")
+    if phase in TERMINAL and ttl is not None and st["completionTime"]:
+        left = (parse_time(st["completionTime"]) + timedelta(seconds=ttl) - now).total_seconds()  # type: ignore[operator]
+        if left <= 0:
+            plan.delete_job = True
+            plan.events.append(Event("Normal", "TTLExpired", f"deleted {ttl}s after it finished"))
+        else:
+            plan.requeue(left)
+    elif phase not in TERMINAL and (deadline := run_policy.get("activeDeadlineSeconds")) and st["startTime"]:
+        left = (parse_time(st["startTime"]) + timedelta(seconds=deadline) - now).total_seconds()  # type: ignore[operator]
+        plan.requeue(left)
+    return plan
+
+
+def _run(job: Obj, st: Obj, conds: Conditions, plan: Plan, current: dict[int, Obj], stale: list[str],
+         names_in_use: set[str], now: datetime, restart: Any, finish: Any) -> tuple[str, str, str]:
+    """The job is neither invalid, finished, past its deadline nor suspended."""
+    spec = job["spec"]
+    nodes = int(spec["target"]["nodes"])
+    max_restarts = int(spec["runPolicy"]["maxRestarts"])
+
+    # a pending restart waits out its backoff (old pods go first)
+    restart_at = parse_time(st["restartAt"])
+    if restart_at is not None and now < restart_at:
+        plan.delete_pods = stale + [p["metadata"]["name"] for p in current.values()]
+        plan.requeue((restart_at - now).total_seconds())
+        return "Restarting", "Backoff", f"restarting at {st['restartAt']}"
+    st["restartAt"] = None
+
+    # failures of the current pods
+    for node in sorted(current):
+        fault = faults.classify_pod(current[node])
+        if fault is None:
+            continue
+        try:
+            action = faults.action_for(fault, job)
+        except ValueError as exc:
+            return finish(False, "SpecInvalid", str(exc), [p["metadata"]["name"] for p in current.values()])
+        by_drafter = fault.container == faults.DRAFTER or fault.caused_by_drafter
+        text = f"{builders.pod_name(job, node)}: {fault.message or fault.reason}"
+        if action == faults.IGNORE:
+            continue
+        if action == faults.FAIL_JOB:
+            return finish(False, "FailedByPolicy", f"{text} (failurePolicy: FailJob)",
+                          [p["metadata"]["name"] for p in current.values()
+                           if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")])
+        counted = action in (faults.RESTART_JOB, faults.RESTART_WITHOUT_DRAFTER) and not by_drafter
+        if counted and st["restartsTowardsMax"] >= max_restarts:
+            st["lastFailure"] = text[:2000]
+            return finish(False, "BackoffLimitExceeded", f"{text}; maxRestarts {max_restarts} reached",
+                          [p["metadata"]["name"] for p in current.values()
+                           if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")])
+        result: tuple[str, str, str] = restart(fault.reason or "TargetFailed", text, counted,
+                                               without_drafter=action == faults.RESTART_WITHOUT_DRAFTER)
+        return result
+
+    # success: every target exited 0
+    if len(current) == nodes and all(pod_succeeded(p) for p in current.values()):
+        return finish(True, "Completed", f"all {nodes} target container(s) exited 0", [])
+
+    missing = [n for n in range(nodes) if n not in current]
+    if missing and st["podsCreated"]:
+        names = ", ".join(builders.pod_name(job, n) for n in missing)
+        result = restart("PodDeleted", f"pod(s) {names} disappeared (deleted or evicted)", False, immediate=True)
+        return result
+
+    plan.delete_pods = stale
+    if missing:
+        free = [n for n in missing if builders.pod_name(job, n) not in names_in_use]
+        plan.create_nodes = free
+        if len(free) == len(missing):
+            st["podsCreated"] = True
+            st["startTime"] = st["startTime"] or fmt_time(now)
+            if not conds.is_true("Created"):
+                conds.set("Created", True, "PodsCreated", f"{nodes} pod(s) created")
+        else:
+            plan.requeue(1.0)  # pods of the previous generation still terminating
+        conds.clear("Restarting", "PodsRecreated")
+        return "Pending", "PodsCreated", f"creating {len(free)} pod(s)"
+
+    conds.clear("Restarting", "PodsRecreated")
+    if all(pod_running(p) or pod_succeeded(p) for p in current.values()):
+        conds.set("Running", True, "AllRanksRunning", f"{nodes} pod(s) running")
+        return "Running", "AllRanksRunning", f"{nodes} pod(s) running"
+    conds.clear("Running", "NotAllRunning", "not every pod is running")
+    if all(pod_scheduled(p) for p in current.values()):
+        return "Starting", "Starting", "pods scheduled, containers starting"
+    return "Pending", "Unscheduled", "waiting for pods to be scheduled"

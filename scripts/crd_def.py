@@ -1,0 +1,384 @@
+"""The SpecTrainJob CRD as a Python definition: `scripts/gen.py` writes it to
+crds/spectrain.io_spectrainjobs.yaml (the committed artifact everything else reads: the operator,
+`spectrain validate`, the chart, docs/api.md). Edit here, run `python scripts/gen.py`, commit both.
+
+Helpers keep every field's description next to its type, default and bounds; API.md is the contract.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GROUP = "spectrain.io"
+VERSION = "v1alpha1"
+KIND = "SpecTrainJob"
+PLURAL = "spectrainjobs"
+# Longest child-name suffix the operator uses is "-config"/"-status" (7) and pods "-<node>" with
+# node < 1024 (5); gang/DRA objects add up to "-<node>-gpu" (9). 63 - 11 leaves 52 characters.
+MAX_NAME_LENGTH = 52
+MAX_NODES = 1024
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+                    r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+# A relative path whose segments are never "..", not absolute, no empty segments (RE2-compatible,
+# so a 1.20 apiserver enforces it too; the CEL rule carries the message).
+REL_PATH_SEGMENT = r"([^/.][^/]*|\.|\.[^./][^/]*|\.\.[^/]+)"
+REL_PATH_PATTERN = rf"^{REL_PATH_SEGMENT}(/{REL_PATH_SEGMENT})*$"
+WINDOW_KINDS = ["Bubble", "Communication", "Imbalance", "RolloutTail"]
+PHASES = ["Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
+CONDITION_TYPES = ["Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed",
+                   "DrafterActive", "DrafterDegraded", "SpecInvalid", "CheckpointEphemeral"]
+PRESETS = ["debug", "small", "125m", "1b", "7b"]
+
+
+def s(desc: str, **kw: Any) -> dict[str, Any]:
+    return {"type": "string", "description": desc, **kw}
+
+
+def i(desc: str, **kw: Any) -> dict[str, Any]:
+    return {"type": "integer", "description": desc, **kw}
+
+
+def n(desc: str, **kw: Any) -> dict[str, Any]:
+    return {"type": "number", "description": desc, **kw}
+
+
+def b(desc: str, **kw: Any) -> dict[str, Any]:
+    return {"type": "boolean", "description": desc, **kw}
+
+
+def o(desc: str, props: dict[str, Any] | None = None, *, required: list[str] | None = None,
+      rules: list[dict[str, str]] | None = None, **kw: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "object", "description": desc, **kw}
+    if props is not None:
+        out["properties"] = props
+    if required:
+        out["required"] = required
+    if rules:
+        out["x-kubernetes-validations"] = rules
+    return out
+
+
+def a(desc: str, items: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    return {"type": "array", "description": desc, "items": items, **kw}
+
+
+def rule(expr: str, message: str) -> dict[str, str]:
+    return {"rule": expr, "message": message}
+
+
+def quantity(desc: str, **kw: Any) -> dict[str, Any]:
+    return {"description": desc, "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY_PATTERN, **kw}
+
+
+def string_list(desc: str) -> dict[str, Any]:
+    return a(desc, s("One item.", maxLength=4096), maxItems=256)
+
+
+def env_list(desc: str) -> dict[str, Any]:
+    return a(desc, o("A core/v1 EnvVar.", {
+        "name": s("Name of the environment variable.", minLength=1, maxLength=256),
+        "value": s("Literal value.", maxLength=32768),
+        "valueFrom": o("Source of the value (core/v1 EnvVarSource: fieldRef, resourceFieldRef, "
+                       "configMapKeyRef, secretKeyRef), passed through unchanged.",
+                       **{"x-kubernetes-preserve-unknown-fields": True}),
+    }, required=["name"]), maxItems=256)
+
+
+def resources(desc: str) -> dict[str, Any]:
+    qmap = {"type": "object", "additionalProperties": quantity("A quantity, e.g. 2, 500m, 8Gi.")}
+    return o(desc, {
+        "limits": {**qmap, "description": "Maximum amount of compute resources allowed, by resource name."},
+        "requests": {**qmap, "description": "Minimum amount of compute resources required, by resource name."},
+    })
+
+
+def spec_schema() -> dict[str, Any]:
+    parallelism = o("How the target's ranks are arranged. data * pipeline must equal nodes * procsPerNode.", {
+        "data": i("Data-parallel degree.", default=1, minimum=1, maximum=4096),
+        "pipeline": i("Pipeline-parallel degree (stages). Must divide the model's layer count.",
+                      default=1, minimum=1, maximum=1024),
+        "microbatches": i("Microbatches per step; at least `pipeline` when pipeline > 1.",
+                          default=1, minimum=1, maximum=65536),
+        "schedule": s("Pipeline schedule.", default="1F1B", enum=["GPipe", "1F1B", "Interleaved1F1B"]),
+    }, default={})
+    basis = o("Basis-rotation optimizer settings; read only when optimizer.name is BasisRotation.", {
+        "refreshEvery": i("Steps between eigenbasis refreshes.", default=10, minimum=1, maximum=1000000),
+        "stageAware": b("Refresh earlier (staler) pipeline stages more often.", default=True),
+        "geometry": s("Rotate one side or both sides of each weight matrix.", default="Bilateral",
+                      enum=["Bilateral", "Unilateral"]),
+        "source": s("Moment whose eigenbasis defines the rotation.", default="SecondMoment",
+                    enum=["SecondMoment", "FirstMoment"]),
+    }, default={})
+    rl = o("Reinforcement-learning settings; required when mode is RL, forbidden otherwise.", {
+        "task": s("Task with verifiable rewards the workloads ship.", default="arithmetic",
+                  enum=["arithmetic", "copy", "sort"]),
+        "groupSize": i("Rollouts per prompt (GRPO group).", default=8, minimum=2, maximum=4096),
+        "maxNewTokens": i("Longest rollout, in tokens.", default=512, minimum=1, maximum=1048576),
+        "temperature": n("Sampling temperature; 0 is greedy.", default=1.0, minimum=0, maximum=100),
+        "speculative": o("Speculative decoding of rollouts with the drafter.", {
+            "enabled": b("Use the drafter to speculate rollouts (lossless).", default=True),
+            "maxDraftTokens": i("Most tokens drafted per verification.", default=8, minimum=1, maximum=32),
+            "batchThreshold": i("Speculate only while the active batch is at most this.", default=32,
+                                minimum=1, maximum=1048576),
+            "strategy": s("How the draft length is chosen.", default="Bandit", enum=["Bandit", "Fixed"]),
+        }, default={}),
+    })
+    target = o("The training job whose idle time is harvested. Immutable once created.", {
+        "image": s("Workload image of the target (and the default for the drafter).", minLength=1,
+                   maxLength=1024),
+        "command": string_list("Overrides the entrypoint (default `spectrain-target`)."),
+        "args": string_list("Arguments for the entrypoint."),
+        "env": env_list("Extra environment variables, appended after the operator's."),
+        "resources": resources("Compute resources of the target container (core/v1 ResourceRequirements)."),
+        "nodes": i("Number of pods (one per node).", default=1, minimum=1, maximum=MAX_NODES),
+        "procsPerNode": i("Ranks per pod.", default=1, minimum=1, maximum=64),
+        "parallelism": parallelism,
+        "model": o("The target model.", {
+            "preset": s("Model preset.", default="debug", enum=PRESETS),
+            "overrides": o("Free-form model config overrides, preserved as given.", default={},
+                           **{"x-kubernetes-preserve-unknown-fields": True}),
+        }, default={}),
+        "data": o("Training data.", {
+            "source": s("builtin:<name> | file:///abs/dir | pvc://<claim>/<path>.",
+                        default="builtin:python-stdlib", maxLength=1024,
+                        pattern=r"^(builtin:[a-z0-9][-a-z0-9_.]*|file:///.*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?)$"),
+            "seqLen": i("Sequence length in tokens.", default=256, minimum=8, maximum=1048576),
+            "batchSize": i("Global batch per data-parallel replica, in sequences.", default=8, minimum=1,
+                           maximum=1048576),
+        }, default={}),
+        "optimizer": o("Target optimizer.", {
+            "name": s("Optimizer.", default="AdamW", enum=["AdamW", "BasisRotation"]),
+            "lr": n("Learning rate (> 0).", default=0.0003, minimum=0, exclusiveMinimum=True, maximum=100),
+            "basisRotation": basis,
+        }, default={}),
+        "steps": i("Training steps.", default=1000, minimum=1, maximum=1000000000),
+        "checkpoint": o("Checkpointing of the target (and the drafter, into the same volume).", {
+            "claimName": s("PVC for checkpoints; empty: an emptyDir, lost with the pod (condition "
+                           "CheckpointEphemeral says so).", default="", maxLength=253),
+            "everySteps": i("Steps between checkpoints.", default=100, minimum=1, maximum=1000000000),
+            "keep": i("Checkpoints kept.", default=3, minimum=1, maximum=1000),
+        }, default={}),
+        "rl": rl,
+    }, required=["image"], rules=[
+        rule("self.parallelism.data * self.parallelism.pipeline == self.nodes * self.procsPerNode",
+             "spec.target.parallelism: data * pipeline must equal nodes * procsPerNode"),
+        rule("self.parallelism.pipeline <= 1 || self.parallelism.microbatches >= self.parallelism.pipeline",
+             "spec.target.parallelism.microbatches must be >= pipeline when pipeline > 1"),
+        rule("self == oldSelf", "spec.target is immutable; create a new SpecTrainJob instead"),
+    ])
+    drafter = o("The speculative-decoding drafter trained in the target's idle windows. Immutable once created.", {
+        "enabled": b("Run the drafter sidecar.", default=True),
+        "image": s("Drafter image; empty: target.image.", default="", maxLength=1024),
+        "arch": s("Eagle: one decoder layer on the target's hidden states; LM: a small standalone LM.",
+                  default="Eagle", enum=["Eagle", "LM"]),
+        "preset": s("Model preset of the drafter.", default="debug", enum=PRESETS),
+        "activation": o("When the drafter may use the GPU.", {
+            "policy": s("IdleOnly: only inside target idle windows; Always: continuously; Off: never.",
+                        default="IdleOnly", enum=["IdleOnly", "Always", "Off"]),
+            "minWindowMs": n("Shortest window worth using, ms; 0: measured by the drafter itself.",
+                             default=0, minimum=0, maximum=3600000),
+            "safetyMarginMs": n("Time left unused at the end of a window, ms.", default=2, minimum=0,
+                                maximum=3600000),
+            "kinds": a("Idle-window kinds the drafter uses; non-empty, no duplicates.",
+                       s("A window kind.", enum=WINDOW_KINDS), default=list(WINDOW_KINDS),
+                       minItems=1, maxItems=4, **{"x-kubernetes-list-type": "set",
+                                                  "x-kubernetes-validations": [
+                    rule("self.all(k, self.exists_one(j, j == k))",
+                         "spec.drafter.activation.kinds must not contain duplicates")]}),
+        }, default={}),
+        "gpuShare": o("The drafter's share of the GPU under MPS.", {
+            "activeThreadPercentage": i("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the drafter.", default=30,
+                                        minimum=1, maximum=100),
+            "pinnedMemoryLimit": quantity("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT of the drafter.", default="8Gi"),
+        }, default={}),
+        "optimizer": o("Drafter optimizer.", {
+            "lr": n("Learning rate (> 0).", default=0.001, minimum=0, exclusiveMinimum=True, maximum=100),
+        }, default={}),
+        "export": o("Where the deployable drafter artifact goes.", {
+            "claimName": s("PVC for the artifact; empty: the checkpoint volume.", default="", maxLength=253),
+            "path": s("Relative path inside the volume; no '..', not absolute.", default="drafter",
+                      minLength=1, maxLength=253, pattern=REL_PATH_PATTERN,
+                      **{"x-kubernetes-validations": [
+                          rule("!self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')",
+                               "spec.drafter.export.path must be relative and must not contain '..'")]}),
+        }, default={}),
+        "maxFailures": i("Drafter crashes tolerated per rank before it is disabled (condition DrafterDegraded).",
+                         default=3, minimum=0, maximum=1000),
+        "resources": resources("Compute resources of the drafter container."),
+    }, default={}, rules=[rule("self == oldSelf", "spec.drafter is immutable; create a new SpecTrainJob instead")])
+    gpu = o("How target and drafter share GPUs.", {
+        "mode": s("DRA (ResourceClaim with MPS sharing), PodLocalMPS (MPS daemon sidecar), SingleContainer "
+                  "(one supervised container), None (CPU or no sharing).", default="None",
+                  enum=["DRA", "PodLocalMPS", "SingleContainer", "None"]),
+        "gpusPerNode": i("GPUs per pod; 0 iff mode is None, else equal to procsPerNode.", default=0,
+                         minimum=0, maximum=64),
+        "dra": o("DRA settings.", {
+            "deviceClassName": s("DeviceClass of the GPUs.", default="gpu.nvidia.com", maxLength=253),
+        }, default={}),
+        "mps": o("PodLocalMPS settings.", {
+            "image": s("MPS daemon image; empty: target.image.", default="", maxLength=1024),
+            "runAsUser": i("UID shared by all containers (MPS requires one user).", default=1000, minimum=0,
+                           maximum=2147483647),
+        }, default={}),
+    }, default={}, rules=[rule("(self.mode == 'None') == (self.gpusPerNode == 0)",
+                               "spec.gpuSharing.gpusPerNode must be 0 iff spec.gpuSharing.mode is None")])
+    failure_rule = o("A failure-policy rule.", {
+        "action": s("What to do when the rule matches.", enum=["FailJob", "RestartJob", "RestartJobIgnoreMax",
+                                                               "RestartWithoutDrafter"]),
+        "onExitCodes": o("Exit codes the rule matches.", {
+            "container": s("Container whose exit code is matched.", default="target", enum=["target", "drafter"]),
+            "operator": s("In: the code is one of values; NotIn: it is none of them.", default="In",
+                          enum=["In", "NotIn"]),
+            "values": a("Exit codes, 0..255.", i("An exit code.", minimum=0, maximum=255), minItems=1,
+                        maxItems=255),
+        }, required=["values"]),
+    }, required=["action", "onExitCodes"])
+    run_policy = o("Restart, deadline and cleanup policy.", {
+        "maxRestarts": i("Whole-job restarts after a target failure.", default=3, minimum=0, maximum=10000),
+        "backoffSeconds": i("Base of the exponential backoff between restarts.", default=10, minimum=0,
+                            maximum=86400),
+        "activeDeadlineSeconds": i("Fail the job after this many seconds running; null: never.", minimum=1,
+                                   maximum=31536000, nullable=True),
+        "ttlSecondsAfterFinished": i("Delete the job this long after it finished; null: never.", minimum=0,
+                                     maximum=31536000, nullable=True),
+        "failurePolicy": o("Rules on exit codes; first match wins; default RestartJob.", {
+            "rules": a("Ordered rules.", failure_rule, default=[], maxItems=32),
+        }, default={}),
+    }, default={})
+    scheduling = o("How the pods are scheduled.", {
+        "schedulerName": s("Scheduler of the pods; empty: the cluster default.", default="", maxLength=253),
+        "priorityClassName": s("PriorityClass of the pods.", default="", maxLength=253),
+        "gang": o("Gang scheduling (all pods or none).", {
+            "provider": s("PodGroup provider.", default="None", enum=["None", "SchedulerPlugins", "Volcano"]),
+        }, default={}),
+        "nodeSelector": o("Node labels the pods require.", default={},
+                          additionalProperties=s("A label value.", maxLength=63)),
+        "tolerations": a("core/v1 Tolerations of the pods.", o("A toleration.", {
+            "key": s("Taint key; empty with operator Exists matches all.", maxLength=317),
+            "operator": s("Exists or Equal.", enum=["Exists", "Equal"]),
+            "value": s("Taint value for Equal.", maxLength=63),
+            "effect": s("Taint effect; empty matches all.", enum=["NoSchedule", "PreferNoSchedule", "NoExecute", ""]),
+            "tolerationSeconds": i("For NoExecute: how long the pod stays bound.", minimum=0),
+        }), default=[], maxItems=64),
+    }, default={})
+    return o("Desired state of the SpecTrainJob.", {
+        "suspend": b("true: no pods exist; flipping back resumes from the last checkpoint.", default=False),
+        "mode": s("Training mode.", default="Pretrain", enum=["Pretrain", "RL", "AsyncPipeline"]),
+        "seed": i("Random seed of the workloads.", default=0, minimum=0, maximum=2147483647),
+        "target": target,
+        "drafter": drafter,
+        "gpuSharing": gpu,
+        "ring": o("The shared-memory ring between target and drafter.", {
+            "sizeLimit": quantity("Size limit of the memory-backed ring volume.", default="256Mi"),
+        }, default={}),
+        "runPolicy": run_policy,
+        "scheduling": scheduling,
+    }, required=["target"], rules=[
+        rule("(self.mode == 'RL') == has(self.target.rl)",
+             "spec.target.rl is required when spec.mode is RL and forbidden otherwise"),
+        rule("self.mode != 'AsyncPipeline' || self.target.parallelism.pipeline >= 2",
+             "spec.target.parallelism.pipeline must be >= 2 when spec.mode is AsyncPipeline"),
+        rule("self.gpuSharing.gpusPerNode == 0 || self.gpuSharing.gpusPerNode == self.target.procsPerNode",
+             "spec.gpuSharing.gpusPerNode must equal spec.target.procsPerNode when > 0"),
+    ])
+
+
+def status_schema() -> dict[str, Any]:
+    cond = o("A metav1.Condition.", {
+        "type": s("Condition type.", maxLength=316),
+        "status": s("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+        "reason": s("CamelCase reason.", maxLength=1024),
+        "message": s("Human-readable detail.", maxLength=32768),
+        "lastTransitionTime": s("When status last changed.", format="date-time"),
+        "observedGeneration": i("Generation the condition was set for.", minimum=0),
+    }, required=["type", "status"])
+    return o("Observed state, written by the operator once per reconcile pass.", {
+        "phase": s("Lifecycle phase.", enum=PHASES),
+        "observedGeneration": i("metadata.generation the operator last acted on.", minimum=0),
+        "conditions": a("Conditions: " + ", ".join(CONDITION_TYPES) + ".", cond,
+                        **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}),
+        "ranks": o("Pod counts.", {
+            "desired": i("Pods the job wants.", minimum=0),
+            "ready": i("Pods whose Ready condition is True.", minimum=0),
+            "running": i("Pods in phase Running.", minimum=0),
+            "succeeded": i("Pods whose target exited 0.", minimum=0),
+            "failed": i("Pods whose target failed.", minimum=0),
+        }),
+        "ready": s("ready/desired pods, for kubectl."),
+        "restarts": i("Whole-job restarts so far (all causes).", minimum=0),
+        "restartsTowardsMax": i("Restarts counted against runPolicy.maxRestarts.", minimum=0),
+        "restartGeneration": i("Generation of the current pods (label spectrain.io/restart-generation).",
+                               minimum=0),
+        "restartAt": s("When the pending restart recreates the pods (backoff).", format="date-time",
+                       nullable=True),
+        "podsCreated": b("Pods of the current restart generation were created (a missing pod then "
+                         "means someone deleted it)."),
+        "drafterDisabled": b("The drafter was turned off (RestartWithoutDrafter or too many failures)."),
+        "drafterFailures": i("Most drafter failures seen on one rank.", minimum=0),
+        "lastFailure": s("Last target failure, one line.", maxLength=32768),
+        "startTime": s("When the pods of this run were first created.", format="date-time", nullable=True),
+        "completionTime": s("When the job reached Succeeded or Failed.", format="date-time", nullable=True),
+        "progress": o("Training progress reported by rank 0.", {
+            "step": i("Last completed step."),
+            "totalSteps": i("spec.target.steps."),
+            "loss": n("Last training loss.", nullable=True),
+            "tokensPerSecond": n("Throughput of the job.", nullable=True),
+            "updatedAt": s("When rank 0 last reported.", nullable=True),
+        }),
+        "drafter": o("Drafter summary across ranks.", {
+            "state": s("Drafter state.", enum=["Disabled", "Waiting", "Active", "Degraded"]),
+            "activeRanks": i("Ranks whose drafter is Active.", minimum=0),
+            "harvestedSeconds": n("Drafter busy time inside target idle windows, summed over ranks."),
+            "harvestEfficiency": n("Harvested / usable idle time (mean over reporting ranks)."),
+            "acceptanceLength": n("Expected accepted tokens per verification.", nullable=True),
+            "artifact": s("Where the latest exported drafter is."),
+        }),
+    })
+
+
+def crd() -> dict[str, Any]:
+    schema = o("SpecTrainJob trains a speculative-decoding drafter in the idle GPU time of an LLM training job.", {
+        "apiVersion": s("Versioned schema of this object."),
+        "kind": s("REST resource kind of this object."),
+        "metadata": o("Standard object metadata.", {
+            "name": s(f"Job name: a DNS-1035 label of at most {MAX_NAME_LENGTH} characters so every child "
+                      "name stays a valid DNS label.", maxLength=MAX_NAME_LENGTH, pattern=NAME_PATTERN),
+        }),
+        "spec": spec_schema(),
+        "status": status_schema(),
+    }, required=["spec"], rules=[
+        rule(f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+             f"metadata.name must be at most {MAX_NAME_LENGTH} characters (child names add suffixes up to "
+             f"{63 - MAX_NAME_LENGTH})"),
+    ])
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}", "labels": {"app.kubernetes.io/part-of": "spectrain"}},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": "spectrainjob",
+                      "shortNames": ["stj"], "categories": ["spectrain"]},
+            "versions": [{
+                "name": VERSION, "served": True, "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [
+                    {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase."},
+                    {"name": "Ready", "type": "string", "jsonPath": ".status.ready",
+                     "description": "Ready/desired pods."},
+                    {"name": "Drafter", "type": "string", "jsonPath": ".status.drafter.state",
+                     "description": "Drafter state."},
+                    {"name": "Harvest", "type": "number", "jsonPath": ".status.drafter.harvestEfficiency",
+                     "description": "Harvested / usable idle time."},
+                    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts",
+                     "description": "Whole-job restarts."},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp",
+                     "description": "Time since creation."},
+                ],
+                "schema": {"openAPIV3Schema": schema},
+            }],
+        },
+    }

@@ -1,0 +1,451 @@
+"""A real, throwaway Kubernetes control plane for integration tests: etcd + kube-apiserver
+(+ optionally kube-controller-manager for garbage collection and namespace deletion).
+
+The binaries come from `make kube-binaries` (scripts/build-kube.sh, cached in
+$KUBE_CACHE/bin, default ~/.cache/spectrain/kube/bin); etcd is Debian's etcd-server.
+Everything listens on free ports on 127.0.0.1 and lives in one private directory.
+
+Authentication:
+- the admin is a static token (`--token-auth-file`), user `admin` in `system:masters`;
+- any other user is a client certificate signed by the cluster CA (`kubeconfig_for`), so users
+  and groups can be made at any time without restarting the apiserver;
+- ServiceAccounts get bound tokens through the TokenRequest API (`kubeconfig_for_service_account`),
+  so an operator can run as exactly the ServiceAccount and ClusterRoleBinding a chart renders.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.waiting import wait_for
+
+DEFAULT_CACHE = Path.home() / ".cache" / "spectrain" / "kube"
+MISSING_HINT = "run `make kube-binaries`"
+
+
+class KubeBinariesMissing(RuntimeError):
+    pass
+
+
+def kube_bin_dir() -> Path:
+    return Path(os.environ.get("KUBE_CACHE", DEFAULT_CACHE)) / "bin"
+
+
+def find_binaries() -> dict[str, Path]:
+    """Paths of kube-apiserver, kube-controller-manager and etcd; raise naming what is missing."""
+    bin_dir = kube_bin_dir()
+    found: dict[str, Path] = {}
+    missing: list[str] = []
+    for name in ("kube-apiserver", "kube-controller-manager"):
+        p = bin_dir / name
+        if os.access(p, os.X_OK):
+            found[name] = p
+        else:
+            missing.append(str(p))
+    etcd = shutil.which("etcd") or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None)
+    if etcd:
+        found["etcd"] = Path(etcd)
+    else:
+        missing.append("etcd (Debian package etcd-server)")
+    if missing:
+        raise KubeBinariesMissing(f"missing {', '.join(missing)}: {MISSING_HINT}")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    r = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"openssl {' '.join(args)} failed: {r.stderr.strip()}")
+
+
+def _b64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+class KubeAPI:
+    """One etcd + kube-apiserver. Use `start()` / `stop()` (the `kube` fixture does both)."""
+
+    ADMIN_USER = "admin"
+
+    def __init__(self, root: Path) -> None:
+        self.bins = find_binaries()
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.pki = self.root / "pki"
+        self.logs = self.root / "logs"
+        self.pki.mkdir(exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._admin_token = base64.urlsafe_b64encode(os.urandom(24)).decode().rstrip("=")
+        self.port = 0
+        self.server = ""
+        self.kubeconfig = self.root / "admin.kubeconfig"
+        self.audit_log = self.root / "logs" / "audit.jsonl"
+        self._user_serial = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self, timeout: float = 90.0) -> KubeAPI:
+        t0 = time.monotonic()
+        try:
+            self._make_pki()
+            self._start_etcd(timeout)
+            self._start_apiserver(timeout - (time.monotonic() - t0))
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - t0
+        return self
+
+    def stop(self) -> None:
+        for name in reversed(list(self._procs)):
+            self._kill(name)
+        self._procs.clear()
+
+    def _kill(self, name: str, timeout: float = 10.0) -> None:
+        p = self._procs.get(name)
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout)
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, cwd=self.root)
+        log.close()
+        self._procs[name] = p
+        return p
+
+    def _check_alive(self, name: str) -> None:
+        p = self._procs[name]
+        if p.poll() is not None:
+            raise RuntimeError(f"{name} exited with {p.returncode}; log tail:\n{_tail(self.logs / f'{name}.log')}")
+
+    # ---------------------------------------------------------------- PKI
+    def _make_pki(self) -> None:
+        d = self.pki
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+                 "-days", "2", "-subj", "/CN=spectrain-test-ca", cwd=d)
+        (d / "serving.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                                       "extendedKeyUsage=serverAuth\n")
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "serving.key", "-out", "serving.csr",
+                 "-subj", "/CN=kube-apiserver", cwd=d)
+        _openssl("x509", "-req", "-in", "serving.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", "serving.crt", "-days", "2", "-extfile", "serving.ext", cwd=d)
+        _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
+        _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
+        (d / "tokens.csv").write_text(f'{self._admin_token},{self.ADMIN_USER},admin-uid,"system:masters"\n')
+        (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+        # Every request at Metadata level: tests read who was denied what (see `denials`).
+        (d / "audit-policy.yaml").write_text(
+            "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\n"
+            "rules:\n  - level: Metadata\n")
+
+    # ---------------------------------------------------------------- etcd / apiserver
+    def _start_etcd(self, timeout: float) -> None:
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.root
+        self._etcd_dir = Path(base) / f"spectrain-etcd-{os.getpid()}-{id(self):x}"
+        self.etcd_port, peer = free_port(), free_port()
+        client_url, peer_url = f"http://127.0.0.1:{self.etcd_port}", f"http://127.0.0.1:{peer}"
+        self._spawn("etcd", [
+            str(self.bins["etcd"]), "--name", "default", "--data-dir", str(self._etcd_dir),
+            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"default={peer_url}", "--log-level", "warn",
+        ])
+        self.etcd_url = client_url
+
+        def healthy() -> bool:
+            self._check_alive("etcd")
+            try:
+                with urllib.request.urlopen(f"{client_url}/health", timeout=1) as r:
+                    return bool(json.loads(r.read()).get("health") == "true")
+            except (OSError, ValueError):
+                return False
+
+        wait_for(healthy, timeout, interval=0.05, what="etcd /health")
+
+    def _start_apiserver(self, timeout: float) -> None:
+        self.port = free_port()
+        self.server = f"https://127.0.0.1:{self.port}"
+        d = self.pki
+        self._spawn("kube-apiserver", [
+            str(self.bins["kube-apiserver"]),
+            f"--etcd-servers={self.etcd_url}",
+            "--etcd-prefix=/spectrain-test",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--secure-port={self.port}", "--insecure-port=0",
+            f"--tls-cert-file={d / 'serving.crt'}", f"--tls-private-key-file={d / 'serving.key'}",
+            f"--client-ca-file={d / 'ca.crt'}",
+            f"--token-auth-file={d / 'tokens.csv'}",
+            "--authorization-mode=RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            f"--service-account-key-file={d / 'sa.pub'}",
+            f"--service-account-signing-key-file={d / 'sa.key'}",
+            "--api-audiences=https://kubernetes.default.svc",
+            "--service-cluster-ip-range=10.96.0.0/24",
+            "--disable-admission-plugins=ServiceAccount",
+            "--allow-privileged=true",
+            "--profiling=false",
+            f"--cert-dir={self.root / 'certs'}",
+            f"--audit-policy-file={d / 'audit-policy.yaml'}",
+            f"--audit-log-path={self.audit_log}", "--audit-log-mode=blocking",
+            "--v=1",
+        ])
+        ctx = self.ssl_context()
+
+        def ready() -> bool:
+            self._check_alive("kube-apiserver")
+            req = urllib.request.Request(f"{self.server}/readyz",
+                                         headers={"Authorization": f"Bearer {self._admin_token}"})
+            try:
+                with urllib.request.urlopen(req, timeout=2, context=ctx) as r:
+                    return r.status == 200
+            except (OSError, urllib.error.HTTPError):
+                return False
+
+        wait_for(ready, timeout, interval=0.1, what="kube-apiserver /readyz")
+        self._write_kubeconfig(self.kubeconfig, self.ADMIN_USER, {"token": self._admin_token})
+
+    def start_controller_manager(self, timeout: float = 60.0) -> None:
+        """garbagecollector + namespace controllers. Start it after the CRDs are established:
+        it discovers new resources only at its 30 s resync."""
+        if "kube-controller-manager" in self._procs:
+            return
+        self._spawn("kube-controller-manager", [
+            str(self.bins["kube-controller-manager"]),
+            f"--kubeconfig={self.kubeconfig}",
+            "--controllers=garbagecollector,namespace",
+            "--leader-elect=false", "--port=0", "--secure-port=0",
+            "--concurrent-gc-syncs=5", "--v=1",
+        ])
+        # Ready once it has synced its informers: GC logs this; poll the log with a deadline.
+        log = self.logs / "kube-controller-manager.log"
+
+        def synced() -> bool:
+            self._check_alive("kube-controller-manager")
+            text = log.read_text(errors="replace") if log.exists() else ""
+            return "all resource monitors have synced" in text or "synced garbage collector" in text
+
+        wait_for(synced, timeout, interval=0.1, what="kube-controller-manager garbage collector sync")
+
+    def log_tail(self, name: str, n: int = 40) -> str:
+        return _tail(self.logs / f"{name}.log", n)
+
+    def cleanup(self) -> None:
+        self.stop()
+        if getattr(self, "_etcd_dir", None):
+            shutil.rmtree(self._etcd_dir, ignore_errors=True)
+
+    # ---------------------------------------------------------------- clients
+    def ssl_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+
+    def _write_kubeconfig(self, path: Path, user: str, creds: dict[str, str]) -> Path:
+        cfg = {
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "spectrain-test", "cluster": {
+                "server": self.server, "certificate-authority-data": _b64(self.pki / "ca.crt")}}],
+            "users": [{"name": user, "user": creds}],
+            "contexts": [{"name": user, "context": {"cluster": "spectrain-test", "user": user}}],
+            "current-context": user,
+        }
+        path.write_text(yaml.safe_dump(cfg))
+        path.chmod(0o600)
+        return path
+
+    def api_client(self, kubeconfig: Path | None = None) -> Any:
+        """A kubernetes.client.ApiClient for the admin (or the given kubeconfig)."""
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(kubeconfig or self.kubeconfig))
+
+    def dynamic(self) -> Any:
+        if getattr(self, "_dyn", None) is None:
+            from kubernetes.dynamic import DynamicClient
+
+            self._dyn = DynamicClient(self.api_client(), cache_file=str(self.root / "discovery.json"))
+        return self._dyn
+
+    def kubeconfig_for(self, user: str, groups: list[str] | tuple[str, ...] = ()) -> Path:
+        """A kubeconfig authenticating as `user` in `groups` (client certificate, CN=user, O=group)."""
+        self._user_serial += 1
+        stem = f"user-{self._user_serial}"
+        subj = "/CN=" + user.replace("/", r"\/") + "".join("/O=" + g.replace("/", r"\/") for g in groups)
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{stem}.key", "-out", f"{stem}.csr",
+                 "-subj", subj, cwd=self.pki)
+        _openssl("x509", "-req", "-in", f"{stem}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{stem}.crt", "-days", "1", "-extfile", "client.ext", cwd=self.pki)
+        return self._write_kubeconfig(self.root / f"{stem}.kubeconfig", user, {
+            "client-certificate-data": _b64(self.pki / f"{stem}.crt"),
+            "client-key-data": _b64(self.pki / f"{stem}.key"),
+        })
+
+    def kubeconfig_for_service_account(self, namespace: str, name: str, seconds: int = 3600) -> Path:
+        """A kubeconfig with a bound token (TokenRequest API) of an existing ServiceAccount."""
+        from kubernetes import client
+
+        core = client.CoreV1Api(self.api_client())
+        tr = core.create_namespaced_service_account_token(name, namespace, {
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": seconds}})
+        user = f"system:serviceaccount:{namespace}:{name}"
+        return self._write_kubeconfig(self.root / f"sa-{namespace}-{name}.kubeconfig", user,
+                                      {"token": tr.status.token})
+
+    def bind_cluster_role(self, cluster_role: str, *, user: str | None = None, group: str | None = None,
+                          service_account: tuple[str, str] | None = None, namespace: str | None = None,
+                          name: str | None = None) -> dict[str, Any]:
+        """Bind `cluster_role` to a user, group or (namespace, name) ServiceAccount: cluster-wide with a
+        ClusterRoleBinding, or inside `namespace` with a RoleBinding."""
+        if service_account is not None:
+            subject = {"kind": "ServiceAccount", "namespace": service_account[0], "name": service_account[1]}
+        elif user is not None:
+            subject = {"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": user}
+        elif group is not None:
+            subject = {"kind": "Group", "apiGroup": "rbac.authorization.k8s.io", "name": group}
+        else:
+            raise ValueError("bind_cluster_role needs user, group or service_account")
+        who = subject["name"].replace(":", "-").lower()
+        obj: dict[str, Any] = {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding" if namespace else "ClusterRoleBinding",
+            "metadata": {"name": name or f"{cluster_role}-{who}"[:253]},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+            "subjects": [subject],
+        }
+        if namespace:
+            obj["metadata"]["namespace"] = namespace
+        return self.apply(obj)
+
+    # ---------------------------------------------------------------- audit
+    def audit_offset(self) -> int:
+        """Current end of the audit log: pass it to `audit_events` to see only later requests."""
+        return self.audit_log.stat().st_size if self.audit_log.exists() else 0
+
+    def audit_events(self, since: int = 0, user: str | None = None) -> list[dict[str, Any]]:
+        """Audit events (ResponseComplete / Panic stages) written after byte offset `since`."""
+        if not self.audit_log.exists():
+            return []
+        with open(self.audit_log, "rb") as f:
+            f.seek(since)
+            data = f.read()
+        out = []
+        for line in data.splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue  # a line still being written
+            if ev.get("stage") not in ("ResponseComplete", "Panic"):
+                continue
+            if user is None or ev.get("user", {}).get("username") == user:
+                out.append(ev)
+        return out
+
+    def denials(self, since: int = 0, user: str | None = None) -> list[str]:
+        """Requests answered 403, as 'verb group/resource[/subresource] ns/name' strings."""
+        out = []
+        for ev in self.audit_events(since, user):
+            if ev.get("responseStatus", {}).get("code") != 403:
+                continue
+            ref = ev.get("objectRef") or {}
+            res = "/".join(x for x in (ref.get("apiGroup", ""), ref.get("resource", ""),
+                                       ref.get("subresource", "")) if x) or ev.get("requestURI", "")
+            out.append(f"{ev.get('verb')} {res} {ref.get('namespace', '')}/{ref.get('name', '')}")
+        return out
+
+    # ---------------------------------------------------------------- objects
+    def _resource(self, obj: dict[str, Any]) -> Any:
+        from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+        dyn = self.dynamic()
+        try:
+            return dyn.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+        except ResourceNotFoundError:
+            # A CRD established since the discovery cache was filled: refresh it once.
+            dyn.resources.invalidate_cache()
+            return dyn.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+
+    def apply(self, obj: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:
+        """Create `obj`, or merge-patch it when it exists; return the server's object.
+        CustomResourceDefinitions are waited on until Established."""
+        from kubernetes.dynamic.exceptions import ConflictError
+
+        res = self._resource(obj)
+        ns = (namespace or obj.get("metadata", {}).get("namespace") or "default") if res.namespaced else None
+        try:
+            out = res.create(body=obj, namespace=ns)
+        except ConflictError:
+            out = res.patch(body=obj, name=obj["metadata"]["name"], namespace=ns,
+                            content_type="application/merge-patch+json")
+        result: dict[str, Any] = out.to_dict()
+        if obj["kind"] == "CustomResourceDefinition":
+            self.wait_crd_established(obj["metadata"]["name"])
+        return result
+
+    def apply_all(self, objs: list[dict[str, Any]], namespace: str | None = None) -> list[dict[str, Any]]:
+        return [self.apply(o, namespace) for o in objs if o]
+
+    def delete(self, obj: dict[str, Any], namespace: str | None = None) -> None:
+        from kubernetes.dynamic.exceptions import NotFoundError
+
+        res = self._resource(obj)
+        ns = (namespace or obj["metadata"].get("namespace") or "default") if res.namespaced else None
+        try:
+            res.delete(name=obj["metadata"]["name"], namespace=ns)
+        except NotFoundError:
+            pass
+
+    def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        from kubernetes.dynamic.exceptions import NotFoundError
+
+        res = self._resource({"apiVersion": api_version, "kind": kind})
+        try:
+            out: dict[str, Any] = res.get(name=name, namespace=namespace).to_dict()
+            return out
+        except NotFoundError:
+            return None
+
+    def wait_crd_established(self, name: str, timeout: float = 30.0) -> None:
+        def established() -> bool:
+            crd = self.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", name)
+            conds = (crd or {}).get("status", {}).get("conditions") or []
+            return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
+
+        wait_for(established, timeout, interval=0.05, what=f"CRD {name} Established")
+        self.dynamic().resources.invalidate_cache()

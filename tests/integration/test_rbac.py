@@ -1,0 +1,382 @@
+"""The operator under exactly the chart's RBAC, against a real kube-apiserver.
+
+- `test_operator_does_its_job_under_the_rendered_role`: the rendered ServiceAccount, ClusterRole and
+  ClusterRoleBinding are applied as-is; the operator runs as that ServiceAccount (a TokenRequest
+  token) with the Deployment's args and env, and every scenario passes with no request denied.
+- `test_every_rule_is_needed`: minimality. For each (rule, resource, verb) of the rendered
+  ClusterRole, that one permission is removed and a fresh operator process runs the scenarios:
+  some scenario must fail. A scenario fails when an expected outcome does not appear before its
+  deadline, or as soon as the apiserver's audit log shows a request of the operator answered 403.
+- `test_failover`: two replicas with kopf peering (rendered with replicaCount 2); the active one is
+  SIGKILLed and the standby reconciles a new job within 30 s.
+
+The tests play the kubelet (there is none): they patch pods/status with container exit codes.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tests.integration.kubeapi import KubeAPI
+from tests.integration.operator_proc import OperatorProcess
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "spectrain-operator"
+RELEASE, OP_NS = "spectrain", "spectrain-system"
+GROUP, VERSION, PLURAL = "spectrain.io", "v1alpha1", "spectrainjobs"
+STEP_TIMEOUT = 20.0  # per expected outcome; a healthy operator needs well under a second
+
+
+def render(values: dict[str, Any]) -> list[dict[str, Any]]:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values, name=RELEASE, namespace=OP_NS)
+    return [d for path, text in out.items() if not path.endswith(".txt") for d in yaml.safe_load_all(text) if d]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = [d for d in docs if d["kind"] == kind]
+    return found
+
+
+# ------------------------------------------------------------------------------------ environment
+class Env:
+    """The cluster side of an install: CRDs, the operator namespace, rendered RBAC objects."""
+
+    def __init__(self, kube: KubeAPI, tmp: Path, values: dict[str, Any]) -> None:
+        self.kube, self.tmp = kube, tmp
+        self.docs = render(values)
+        self.dep = one(self.docs, "Deployment")
+        self.role = one(self.docs, "ClusterRole")
+        sa = one(self.docs, "ServiceAccount")["metadata"]["name"]
+        self.user = f"system:serviceaccount:{OP_NS}:{sa}"
+        self.core = client.CoreV1Api(kube.api_client())
+        self.custom = client.CustomObjectsApi(kube.api_client())
+        self.authz = client.AuthorizationV1Api(kube.api_client())
+        for f in sorted((CHART / "crds").glob("*.yaml")):
+            for crd in yaml.safe_load_all(f.read_text()):
+                kube.apply(crd)
+        kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OP_NS}})
+        # Everything the chart renders that the 1.20 apiserver knows (not the Deployment: no kubelet).
+        for d in self.docs:
+            if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"):
+                kube.apply(d)
+        self.kubeconfig = kube.kubeconfig_for_service_account(OP_NS, sa)
+        self._n = itertools.count()
+
+    def set_rules(self, rules: list[dict[str, Any]]) -> None:
+        body = copy.deepcopy(self.role)
+        body["rules"] = rules
+        rbac = client.RbacAuthorizationV1Api(self.kube.api_client())
+        rbac.replace_cluster_role(body["metadata"]["name"], body)
+
+    def allowed(self, verb: str, group: str, resource: str, namespace: str = "default",
+                subresource: str = "") -> bool:
+        review = self.authz.create_subject_access_review({"spec": {"user": self.user, "groups": [
+            "system:serviceaccounts", f"system:serviceaccounts:{OP_NS}", "system:authenticated"],
+            "resourceAttributes": {"verb": verb, "group": group, "resource": resource,
+                                   "subresource": subresource, "namespace": namespace}}})
+        return bool(review.status.allowed)
+
+    def operator(self, name: str | None = None, overrides: dict[str, str] | None = None) -> OperatorProcess:
+        pod = name or f"op-{next(self._n)}"
+        return OperatorProcess(self.dep, self.kubeconfig, self.tmp / f"{pod}.log", pod_name=pod,
+                               namespace=OP_NS, overrides=overrides)
+
+    def namespace(self, prefix: str) -> str:
+        ns = f"{prefix}-{uuid.uuid4().hex[:6]}"
+        self.kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+        return ns
+
+    def cleanup_namespace(self, ns: str) -> None:
+        """Remove the jobs of a scenario namespace without an operator (strip kopf's finalizers)."""
+        for job in self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]:
+            name = job["metadata"]["name"]
+            try:
+                self.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name,
+                                                           {"metadata": {"finalizers": None}})
+                self.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        for pod in self.core.list_namespaced_pod(ns).items:
+            self.core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=0)
+
+
+@pytest.fixture(scope="module")
+def env(kube: KubeAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    e = Env(kube, tmp_path_factory.mktemp("rbac"), {})
+    kube.start_controller_manager()  # after the CRDs are established: GC of job children
+    yield e
+
+
+# ------------------------------------------------------------------------------------ scenario steps
+class ScenarioFailed(AssertionError):
+    pass
+
+
+class Run:
+    """One operator process running scenarios; every wait also watches for denials and crashes."""
+
+    def __init__(self, env: Env, op: OperatorProcess, ns: str) -> None:
+        self.env, self.op, self.ns = env, op, ns
+        self.since = env.kube.audit_offset()
+
+    def denied(self) -> list[str]:
+        return self.env.kube.denials(self.since, self.env.user)
+
+    def expect(self, cond: Callable[[], Any], what: str, timeout: float = STEP_TIMEOUT) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            if denied := self.denied():
+                raise ScenarioFailed(f"{what}: the operator was denied: {denied}")
+            if not self.op.alive:
+                raise ScenarioFailed(f"{what}: operator exited:\n{self.op.log_tail()}")
+            value = cond()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise ScenarioFailed(f"timed out after {timeout}s waiting for {what}")
+            time.sleep(0.05)
+
+    # --- API helpers (admin)
+    def job(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.env.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def create_job(self, name: str, **spec: Any) -> None:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SpecTrainJob",
+                "metadata": {"name": name, "namespace": self.ns},
+                "spec": {"target": {"image": "example.org/spectrain/workloads:0.1.0", "nodes": 1,
+                                    "procsPerNode": 1, "parallelism": {"data": 1, "pipeline": 1}},
+                         "runPolicy": {"maxRestarts": 2, "backoffSeconds": 0}}}
+        for key, value in spec.items():
+            body["spec"][key] = {**body["spec"].get(key, {}), **value} if isinstance(value, dict) else value
+        self.env.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, body)
+
+    def phase(self, name: str) -> str | None:
+        return ((self.job(name) or {}).get("status") or {}).get("phase")
+
+    def pods(self, name: str) -> list[Any]:
+        return [p for p in self.env.core.list_namespaced_pod(
+            self.ns, label_selector=f"spectrain.io/job-name={name}").items if not p.metadata.deletion_timestamp]
+
+    def exists(self, kind: str, name: str) -> bool:
+        read = {"ConfigMap": self.env.core.read_namespaced_config_map,
+                "Service": self.env.core.read_namespaced_service,
+                "ServiceAccount": self.env.core.read_namespaced_service_account,
+                "Role": client.RbacAuthorizationV1Api(self.env.kube.api_client()).read_namespaced_role,
+                "RoleBinding": client.RbacAuthorizationV1Api(self.env.kube.api_client()).read_namespaced_role_binding}
+        try:
+            read[kind](name, self.ns)
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+    def events_for(self, name: str) -> list[Any]:
+        return self.env.core.list_namespaced_event(
+            self.ns, field_selector=f"involvedObject.name={name},involvedObject.kind=SpecTrainJob").items
+
+    def kubelet(self, pod: Any, phase: str, exit_code: int | None = None) -> None:
+        """Play the kubelet: report the target container running, or terminated with `exit_code`."""
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        state = ({"running": {"startedAt": now}} if exit_code is None else
+                 {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
+                                 "startedAt": now, "finishedAt": now}})
+        status = {"phase": phase, "conditions": [{"type": "Ready", "status": "True" if exit_code is None else "False"}],
+                  "containerStatuses": [{"name": "target", "ready": exit_code is None, "restartCount": 0,
+                                         "image": "example.org/spectrain/workloads:0.1.0", "imageID": "",
+                                         "state": state}]}
+        self.env.core.patch_namespaced_pod_status(pod.metadata.name, self.ns, {"status": status})
+
+
+def scenario_lifecycle(r: Run) -> None:
+    """Create -> children + pod + status + Event; Running; target exit 1 -> restart (pod deleted and
+    recreated); exit 0 -> Succeeded; ttlSecondsAfterFinished 0 -> the job is deleted."""
+    name = "life"
+    r.create_job(name, runPolicy={"ttlSecondsAfterFinished": 0})
+    pods = r.expect(lambda: r.pods(name), "the job's pod")
+    for kind, child in (("ConfigMap", f"{name}-config"), ("Service", name), ("ServiceAccount", f"{name}-status"),
+                        ("Role", f"{name}-status"), ("RoleBinding", f"{name}-status")):
+        r.expect(lambda kind=kind, child=child: r.exists(kind, child), f"{kind} {child}")
+    r.expect(lambda: r.phase(name) in ("Pending", "Starting"), "status.phase Pending/Starting")
+    r.expect(lambda: r.events_for(name), "an Event on the job")
+    r.kubelet(pods[0], "Running")
+    r.expect(lambda: r.phase(name) == "Running", "status.phase Running")
+    r.kubelet(pods[0], "Failed", exit_code=1)
+    first_uid = pods[0].metadata.uid
+    new = r.expect(lambda: [p for p in r.pods(name) if p.metadata.uid != first_uid], "the restarted pod")
+    r.expect(lambda: ((r.job(name) or {}).get("status") or {}).get("restarts") == 1, "status.restarts == 1")
+    r.kubelet(new[0], "Succeeded", exit_code=0)
+    r.expect(lambda: r.job(name) is None, "Succeeded, then deleted by ttlSecondsAfterFinished 0")
+
+
+def scenario_suspend(r: Run) -> None:
+    """suspend: true deletes the pods and reports Suspended."""
+    name = "susp"
+    r.create_job(name)
+    r.expect(lambda: r.pods(name), "the job's pod")
+    r.env.custom.patch_namespaced_custom_object(GROUP, VERSION, r.ns, PLURAL, name, {"spec": {"suspend": True}})
+    r.expect(lambda: r.phase(name) == "Suspended" and not r.pods(name), "Suspended with no pods")
+
+
+def scenario_missing_claim(r: Run) -> None:
+    """A checkpoint PVC that does not exist: Failed + SpecInvalid, nothing created."""
+    name = "noclaim"
+    r.create_job(name, target={"checkpoint": {"claimName": "no-such-claim"}})
+    r.expect(lambda: r.phase(name) == "Failed", "Failed for the missing claim")
+    conds = {c["type"]: c for c in r.job(name)["status"]["conditions"]}
+    assert conds["SpecInvalid"]["status"] == "True" and "no-such-claim" in conds["SpecInvalid"]["message"]
+    assert not r.pods(name)
+
+
+def scenario_delete(r: Run) -> None:
+    """Deleting a job: kopf releases its finalizer, the job goes away."""
+    name = "gone"
+    r.create_job(name)
+    r.expect(lambda: r.pods(name) and (r.job(name) or {}).get("metadata", {}).get("finalizers"),
+             "the pod and kopf's finalizer")
+    r.env.custom.delete_namespaced_custom_object(GROUP, VERSION, r.ns, PLURAL, name)
+    r.expect(lambda: r.job(name) is None, "the deleted job to disappear")
+
+
+SCENARIOS = [scenario_lifecycle, scenario_suspend, scenario_missing_claim, scenario_delete]
+
+
+def run_scenarios(env: Env, label: str) -> tuple[str | None, float]:
+    """Run every scenario under one fresh operator; return (first failure or None, seconds)."""
+    ns = env.namespace(f"rbac-{label}")[:63]
+    op = env.operator().start()
+    t0 = time.monotonic()
+    run = Run(env, op, ns)
+    try:
+        run.expect(op.healthy, "the operator's /healthz", timeout=30)
+        for scenario in SCENARIOS:
+            try:
+                scenario(run)
+            except (ScenarioFailed, AssertionError) as exc:
+                return f"{scenario.__name__}: {exc}", time.monotonic() - t0
+        return None, time.monotonic() - t0
+    finally:
+        op.stop()
+        env.cleanup_namespace(ns)
+
+
+def permission_atoms(rules: list[dict[str, Any]]) -> list[tuple[int, str, str]]:
+    return [(i, res, verb) for i, rule in enumerate(rules) for res in rule["resources"] for verb in rule["verbs"]]
+
+
+def without(rules: list[dict[str, Any]], atom: tuple[int, str, str]) -> list[dict[str, Any]]:
+    """`rules` minus one verb on one resource of one rule (the rest of that rule kept)."""
+    i, res, verb = atom
+    out = []
+    for j, rule in enumerate(copy.deepcopy(rules)):
+        if j != i:
+            out.append(rule)
+            continue
+        others = [r for r in rule["resources"] if r != res]
+        if others:
+            out.append({**rule, "resources": others})
+        if len(rule["verbs"]) > 1:
+            out.append({**rule, "resources": [res], "verbs": [v for v in rule["verbs"] if v != verb]})
+    return out
+
+
+def _split(resource: str) -> tuple[str, str]:
+    res, _, sub = resource.partition("/")
+    return res, sub
+
+
+# ------------------------------------------------------------------------------------ tests
+def test_operator_does_its_job_under_the_rendered_role(env: Env) -> None:
+    env.set_rules(env.role["rules"])
+    failure, seconds = run_scenarios(env, "full")
+    assert failure is None, failure
+    print(f"all scenarios passed under the rendered ClusterRole in {seconds:.1f}s")
+
+
+def test_every_rule_is_needed(env: Env) -> None:
+    rules = env.role["rules"]
+    atoms = permission_atoms(rules)
+    assert len(atoms) >= 10
+    unneeded, report = [], []
+    try:
+        for atom in atoms:
+            i, res, verb = atom
+            group = rules[i]["apiGroups"][0]
+            env.set_rules(without(rules, atom))
+            resource, sub = _split(res)
+            # RBAC reads roles from an informer: wait until the removal is in force.
+            deadline = time.monotonic() + 10
+            while env.allowed(verb, group, resource, subresource=sub):
+                assert time.monotonic() < deadline, f"removing {verb} {group}/{res} never took effect"
+                time.sleep(0.05)
+            failure, seconds = run_scenarios(env, f"{verb}-{resource.replace('/', '-')}"[:40])
+            report.append(f"{verb:7s} {group or 'core'}/{res}: {seconds:5.1f}s "
+                          f"{(failure or 'NO SCENARIO FAILED').splitlines()[0][:140]}")
+            if failure is None:
+                unneeded.append(f"{verb} {group}/{res}")
+    finally:
+        env.set_rules(rules)
+    print("\n".join(report))
+    assert unneeded == [], f"rules no scenario needs (remove them, or add a scenario): {unneeded}"
+
+
+def test_failover(kube: KubeAPI, env: Env, tmp_path: Path) -> None:
+    ha = Env(kube, tmp_path, {"replicaCount": 2, "peering": {"lifetime": 10}})
+    peering = one(ha.docs, "ClusterKopfPeering")["metadata"]["name"]
+    ns = ha.namespace("failover")
+    a, b = ha.operator("replica-a").start(), ha.operator("replica-b").start()
+    try:
+        a.wait_healthy(30)
+        b.wait_healthy(30)
+        # Both replicas appear in the peering object; the higher priority is the active one.
+        def peers() -> dict[str, Any]:
+            obj = ha.custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", peering)
+            status = obj.get("status") or {}
+            return status if {"replica-a", "replica-b"} <= set(status) else {}
+
+        status = Run(ha, a, ns).expect(peers, "both replicas in the peering object", timeout=30)
+        prio = {k: v["priority"] for k, v in status.items() if k in ("replica-a", "replica-b")}
+        assert prio["replica-a"] != prio["replica-b"], f"replicas drew the same priority: {prio}"
+        active, standby = (a, b) if prio["replica-a"] > prio["replica-b"] else (b, a)
+
+        r = Run(ha, active, ns)
+        r.create_job("before")
+        r.expect(lambda: r.pods("before"), "the active replica to reconcile a job")
+        r.expect(lambda: "Pausing operations" in standby.log() or "pausing" in standby.log().lower(),
+                 "the standby to pause", timeout=15)
+        assert "before" not in standby.log(), "the standby reconciled while paused"
+
+        active.kill()
+        killed_at = time.monotonic()
+        r2 = Run(ha, standby, ns)
+        r2.create_job("after")
+        r2.expect(lambda: r2.pods("after") and r2.phase("after"), "the standby to take over", timeout=30)
+        took = time.monotonic() - killed_at
+        print(f"failover: standby reconciled {took:.1f}s after SIGKILL of the active replica")
+        assert took <= 30
+    finally:
+        a.stop()
+        b.stop()
+        ha.cleanup_namespace(ns)

@@ -1,0 +1,190 @@
+"""builders.py: the children of a SpecTrainJob, exactly as API.md and docs/contracts.md describe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from spectrain_operator import builders, spec
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def job(**spec_overrides: Any) -> dict[str, Any]:
+    m = spec.load_manifests(ROOT / "examples" / "demo.yaml")[0]
+    m["metadata"]["namespace"] = "ns1"
+    m["spec"].update(spec_overrides)
+    return spec.defaulted(m)
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def by_kind(objs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for o in objs:
+        out.setdefault(o["kind"], []).append(o)
+    return out
+
+
+def test_children_names_labels_and_order() -> None:
+    objs = builders.render(job())
+    assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
+        ("ServiceAccount", "demo-status"), ("Role", "demo-status"), ("RoleBinding", "demo-status"),
+        ("ConfigMap", "demo-config"), ("Service", "demo"), ("Pod", "demo-0"), ("Pod", "demo-1")]
+    for o in objs:
+        assert o["metadata"]["labels"][builders.LABEL_JOB] == "demo"
+        assert o["metadata"]["namespace"] == "ns1"
+        assert "ownerReferences" not in o["metadata"]
+
+
+def test_owner_references_when_the_job_has_a_uid() -> None:
+    j = job()
+    j["metadata"]["uid"] = "1234"
+    for o in builders.render(j):
+        assert o["metadata"]["ownerReferences"][0] == {
+            "apiVersion": "spectrain.io/v1alpha1", "kind": "SpecTrainJob", "name": "demo", "uid": "1234",
+            "controller": True}
+
+
+def test_pod_layout_target_and_native_sidecar_drafter() -> None:
+    pods = by_kind(builders.render(job()))["Pod"]
+    p = pods[1]
+    s = p["spec"]
+    assert s["restartPolicy"] == "Never"
+    assert s["hostname"] == "demo-1" and s["subdomain"] == "demo"
+    assert s["serviceAccountName"] == "demo-status"
+    (target,) = s["containers"]
+    (drafter,) = s["initContainers"]
+    assert target["name"] == "target" and target["command"] == ["spectrain-target"]
+    assert drafter["name"] == "drafter" and drafter["restartPolicy"] == "Always"
+    assert drafter["command"] == ["spectrain-drafter"]
+    assert drafter["image"] == target["image"] == "example.org/spectrain/workloads:0.1.0"
+    vols = {v["name"]: v for v in s["volumes"]}
+    assert vols["ring"] == {"name": "ring", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}}
+    assert vols["run"] == {"name": "run", "emptyDir": {}}
+    assert vols["config"]["configMap"]["name"] == "demo-config"
+    for c in (target, drafter):
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert mounts == {"config": "/etc/spectrain", "ring": "/var/run/spectrain/ring",
+                          "run": "/var/run/spectrain/run"}
+    assert p["metadata"]["labels"][builders.LABEL_NODE] == "1"
+    assert p["metadata"]["labels"][builders.LABEL_GENERATION] == "0"
+
+
+def test_torchrun_and_spectrain_env() -> None:
+    j = job()
+    j["spec"]["target"].update(nodes=2, procsPerNode=2)
+    j["spec"]["target"]["parallelism"].update(data=2, pipeline=2)
+    j["spec"]["target"]["env"] = [{"name": "EXTRA", "value": "1"}]
+    p, _ = builders.pod(j, 1)
+    env = env_of(p["spec"]["containers"][0])
+    assert env["RANK"] == "2" and env["NODE_RANK"] == "1" and env["WORLD_SIZE"] == "4"
+    assert env["LOCAL_WORLD_SIZE"] == "2" and env["MASTER_PORT"] == "29500"
+    assert env["MASTER_ADDR"] == "demo-0.demo.ns1.svc"
+    assert env["SPECTRAIN_CONFIG"] == "/etc/spectrain/config.json"
+    assert env["SPECTRAIN_RING_DIR"] == "/var/run/spectrain/ring"
+    assert env["SPECTRAIN_RUN_DIR"] == "/var/run/spectrain/run"
+    assert env["SPECTRAIN_EXPORT_DIR"] == "/var/run/spectrain/run/drafter"
+    assert env["SPECTRAIN_JOB_NAME"] == "demo" and env["SPECTRAIN_DRAFTER_ENABLED"] == "1"
+    assert env["SPECTRAIN_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["SPECTRAIN_POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert p["spec"]["containers"][0]["env"][-1] == {"name": "EXTRA", "value": "1"}  # user env appended
+
+
+@pytest.mark.parametrize("how", ["spec", "restart"])
+def test_drafter_omitted_when_disabled(how: str) -> None:
+    j = job()
+    if how == "spec":
+        j["spec"]["drafter"]["enabled"] = False
+    p, _ = builders.pod(j, 0, drafter_disabled=how == "restart")
+    assert "initContainers" not in p["spec"]
+    assert env_of(p["spec"]["containers"][0])["SPECTRAIN_DRAFTER_ENABLED"] == "0"
+
+
+def test_claims_checkpoint_export_and_read_only_data() -> None:
+    j = job()
+    j["spec"]["target"]["checkpoint"]["claimName"] = "ckpt"
+    j["spec"]["drafter"]["export"] = {"claimName": "models", "path": "drafters/v1"}
+    j["spec"]["target"]["data"]["source"] = "pvc://corpus/text/en"
+    p, _ = builders.pod(j, 0)
+    vols = {v["name"]: v for v in p["spec"]["volumes"]}
+    assert vols["run"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+    assert vols["export"]["persistentVolumeClaim"] == {"claimName": "models"}
+    assert vols["data"]["persistentVolumeClaim"] == {"claimName": "corpus", "readOnly": True}
+    target = p["spec"]["containers"][0]
+    mounts = {m["name"]: m for m in target["volumeMounts"]}
+    assert mounts["data"] == {"name": "data", "mountPath": "/var/run/spectrain/data/corpus", "readOnly": True}
+    assert mounts["export"]["mountPath"] == "/var/run/spectrain/export"
+    assert env_of(target)["SPECTRAIN_EXPORT_DIR"] == "/var/run/spectrain/export/drafters/v1"
+    assert "data" not in {m["name"] for m in p["spec"]["initContainers"][0]["volumeMounts"]}
+    assert spec.claims(j["spec"]) == [("spec.target.checkpoint.claimName", "ckpt"),
+                                      ("spec.drafter.export.claimName", "models"),
+                                      ("spec.target.data.source", "corpus")]
+
+
+def test_status_rbac_is_patch_on_own_pods_only() -> None:
+    kinds = by_kind(builders.render(job()))
+    (role,) = kinds["Role"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"],
+                              "resourceNames": ["demo-0", "demo-1"]}]
+    (binding,) = kinds["RoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-status", "namespace": "ns1"}]
+    assert binding["roleRef"]["name"] == "demo-status"
+
+
+def test_headless_service_selects_the_job_pods() -> None:
+    (svc,) = by_kind(builders.render(job()))["Service"]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {builders.LABEL_JOB: "demo"}
+
+
+def test_config_map_is_the_defaulted_manifest_the_workloads_read() -> None:
+    from spectrain_workloads import config
+
+    j = job()
+    (cm,) = by_kind(builders.render(j))["ConfigMap"]
+    data = json.loads(cm["data"]["config.json"])
+    assert data["spec"] == j["spec"]
+    cfg = config.from_manifest(data)
+    assert cfg.name == "demo" and cfg.namespace == "ns1"
+    assert cfg.target.parallelism.pipeline == 2 and cfg.target.parallelism.microbatches == 4
+    assert cfg.target.steps == 200 and cfg.target.checkpoint.every_steps == 50
+
+
+def test_render_is_deterministic_and_pure() -> None:
+    j = job()
+    before = json.dumps(j, sort_keys=True)
+    assert builders.render(j) == builders.render(j)
+    assert json.dumps(j, sort_keys=True) == before
+
+
+def test_generation_label_and_selected_nodes() -> None:
+    pods, _ = builders.pods(job(), generation=3, nodes=[1])
+    assert [p["metadata"]["name"] for p in pods] == ["demo-1"]
+    assert pods[0]["metadata"]["labels"][builders.LABEL_GENERATION] == "3"
+
+
+def test_gpu_and_scheduling_extras_are_created_once_per_job() -> None:
+    j = spec.defaulted(spec.load_manifests(ROOT / "examples" / "gpu-dra.yaml")[0])
+    objs = builders.render(j)
+    extras = [o for o in objs if o["kind"] not in ("ServiceAccount", "Role", "RoleBinding", "ConfigMap",
+                                                   "Service", "Pod")]
+    assert sorted(o["kind"] for o in extras) == ["PodGroup", "ResourceClaimTemplate"]
+    for o in extras:
+        assert o["metadata"]["labels"][builders.LABEL_JOB] == "gpu-dra"
+    assert objs[-1]["kind"] == "Pod"
+
+
+@pytest.mark.parametrize("example", ["demo.yaml", "demo-rl.yaml", "pretrain-dp.yaml", "async-pipeline.yaml"])
+def test_rendered_objects_pass_kubernetes_schemas(example: str) -> None:
+    j = spec.defaulted(spec.load_manifests(ROOT / "examples" / example)[0])
+    for obj in builders.render(j):
+        kubernetes_validate.validate(obj, "1.34", strict=True)

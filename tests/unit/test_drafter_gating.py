@@ -1,0 +1,156 @@
+"""Drafter gating: unit-of-work estimate, window tracking, and the gate's start/continue rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from spectrain_workloads.drafter.gating import (
+    MS,
+    UNIT_KEY,
+    CostModel,
+    Gate,
+    WindowTracker,
+    quantile,
+)
+from spectrain_workloads.ring import WindowEvent, WindowKind
+
+pytestmark = pytest.mark.unit
+
+
+def start(wid: int, kind: WindowKind, at_ms: float, predicted_ms: float) -> WindowEvent:
+    return WindowEvent(seq=wid, kind=kind, rank=0, stage=0, step=0, window_id=wid, start_ns=int(at_ms * MS),
+                       predicted_duration_ns=int(predicted_ms * MS), actual_duration_ns=0, flags=0, is_end=False)
+
+
+def end(ev: WindowEvent, actual_ms: float) -> WindowEvent:
+    return WindowEvent(seq=ev.seq + 1, kind=ev.kind, rank=0, stage=0, step=0, window_id=ev.window_id,
+                       start_ns=ev.start_ns, predicted_duration_ns=ev.predicted_duration_ns,
+                       actual_duration_ns=int(actual_ms * MS), flags=0, is_end=True)
+
+
+def make_gate(**kw: object) -> Gate:
+    args: dict = dict(policy="IdleOnly", kinds=["Bubble", "Communication", "Imbalance", "RolloutTail"],
+                      safety_margin_ms=2.0, min_window_ms=0.0, cost=CostModel(), tracker=WindowTracker())
+    args.update(kw)
+    return Gate(**args)
+
+
+def test_cost_model_quantile_ignores_a_single_outlier_and_forgets_old_samples() -> None:
+    c = CostModel(window=8, q=0.75)
+    assert c.estimate(UNIT_KEY) is None
+    for v in [5, 5, 5, 5, 5, 5, 5, 500]:
+        c.observe(UNIT_KEY, v * MS)
+    assert c.estimate(UNIT_KEY) == 5 * MS          # one preempted measurement does not lock us out
+    for _ in range(8):
+        c.observe(UNIT_KEY, 3 * MS)
+    assert c.estimate(UNIT_KEY) == 3 * MS          # the window slides
+    restored = CostModel(window=8, q=0.75)
+    restored.load_state_dict(c.state_dict())
+    assert restored.estimate(UNIT_KEY) == 3 * MS
+
+
+def test_quantile_bounds() -> None:
+    xs = list(range(101))
+    assert quantile(xs, 0.0) == 0 and quantile(xs, 1.0) == 100 and quantile(xs, 0.5) == 50
+
+
+def test_start_needs_unit_plus_margin_and_continue_needs_task_cost() -> None:
+    g = make_gate()
+    g.cost.observe(UNIT_KEY, 10 * MS)
+    ev = start(1, WindowKind.BUBBLE, 0, predicted_ms=11.5)
+    g.tracker.update([ev])
+    b = g.budget(0)
+    assert b.window is not None and b.remaining_ns == int(9.5 * MS)
+    assert not g.allows(b, 10 * MS, starting=True)          # 11.5 ms < 10 unit + 2 margin
+    g.tracker.update([start(2, WindowKind.BUBBLE, 0, predicted_ms=12.5)])
+    b = g.budget(0)
+    assert b.window is not None and b.window.window_id == 2   # the window with the most time left
+    assert g.allows(b, 10 * MS, starting=True)
+    # Continuing inside a window: a cheaper task (e.g. an optimizer step) fits where a unit does not.
+    b = g.budget(int(5 * MS))
+    assert not g.allows(b, 10 * MS, starting=False)
+    assert g.allows(b, 4 * MS, starting=False)
+    assert not g.allows(b, 4 * MS, starting=True)            # but it may not start work there
+
+
+def test_window_end_closes_it_and_feeds_history() -> None:
+    t = WindowTracker()
+    ev = start(7, WindowKind.COMMUNICATION, 100, 20)
+    t.update([ev])
+    assert 7 in t.open
+    closed = t.update([end(ev, 15)])
+    assert not t.open and closed[0].actual_ns == 15 * MS and closed[0].end_ns == 115 * MS
+    assert list(t.durations["Communication"]) == [15 * MS]
+    assert list(t.ratios["Communication"]) == [0.75]
+
+
+def test_optimistic_predictions_are_tempered_by_history() -> None:
+    t = WindowTracker()
+    for i in range(10):   # this kind always ends at half its prediction
+        ev = start(i, WindowKind.COMMUNICATION, 0, 20)
+        t.update([ev, end(ev, 10)])
+    ev = start(99, WindowKind.COMMUNICATION, 1000, 20)
+    t.update([ev])
+    assert t.predicted_end_ns(t.open[99], 1000 * MS) == 1010 * MS
+    # Pessimistic predictions are not stretched: the window is only promised what was predicted.
+    t2 = WindowTracker()
+    for i in range(10):
+        ev = start(i, WindowKind.BUBBLE, 0, 10)
+        t2.update([ev, end(ev, 20)])
+    t2.update([start(99, WindowKind.BUBBLE, 0, 10)])
+    assert t2.predicted_end_ns(t2.open[99], 0) == 10 * MS
+
+
+def test_open_ended_windows_use_the_distribution_of_past_windows() -> None:
+    g = make_gate(safety_margin_ms=0.0)
+    g.cost.observe(UNIT_KEY, 5 * MS)
+    first = start(1, WindowKind.IMBALANCE, 0, 0)
+    g.tracker.update([first])
+    b = g.budget(0)
+    assert b.window is None and "history" in b.reason       # nothing known yet: do not start
+    g.tracker.update([end(first, 1)])
+    durations = [2, 3, 40, 42, 44, 46, 48, 50, 52, 54]     # mostly long, some very short
+    for i, d in enumerate(durations):
+        ev = start(10 + i, WindowKind.IMBALANCE, 0, 0)
+        g.tracker.update([ev, end(ev, d)])
+    g.tracker.update([start(100, WindowKind.IMBALANCE, 1000, 0)])
+    b = g.budget(1000 * MS)
+    # 3 of the 11 past windows were very short: only 3 ms are promised with 80% confidence
+    assert b.window is not None and b.remaining_ns == 3 * MS
+    b = g.budget(1010 * MS)      # after 10 ms elapsed only the long ones are candidates
+    assert b.remaining_ns == 32 * MS and g.allows(b, 5 * MS, starting=True)
+    b = g.budget(1053 * MS)      # outlived nearly all: fewer than 5 survivors, nothing promised
+    assert b.window is None
+
+
+def test_policy_and_kind_filters() -> None:
+    off = make_gate(policy="Off")
+    off.cost.observe(UNIT_KEY, MS)
+    off.tracker.update([start(1, WindowKind.BUBBLE, 0, 100)])
+    assert not off.allows(off.budget(0), MS, starting=True)
+    always = make_gate(policy="Always")
+    assert always.allows(always.budget(0), 10**9, starting=True)     # no window needed
+    kinds = make_gate(kinds=["Bubble"])
+    kinds.cost.observe(UNIT_KEY, MS)
+    kinds.tracker.update([start(1, WindowKind.ROLLOUT_TAIL, 0, 100)])
+    b = kinds.budget(0)
+    assert b.window is None and "RolloutTail" in b.reason and not kinds.allows(b, MS, starting=True)
+
+
+def test_min_window_override_replaces_the_measured_unit() -> None:
+    g = make_gate(min_window_ms=30.0, safety_margin_ms=0.0)
+    g.cost.observe(UNIT_KEY, MS)
+    assert g.unit_ns() == 30 * MS
+    g.tracker.update([start(1, WindowKind.BUBBLE, 0, 25)])
+    assert not g.allows(g.budget(0), MS, starting=True)
+    g.tracker.update([start(2, WindowKind.BUBBLE, 0, 31)])
+    assert g.allows(g.budget(0), MS, starting=True)
+
+
+def test_unmeasured_unit_never_starts_and_lost_windows_expire() -> None:
+    g = make_gate()
+    g.tracker.update([start(1, WindowKind.BUBBLE, 0, 100)])
+    assert not g.allows(g.budget(0), None, starting=True)
+    assert g.tracker.expire(50 * MS) == []
+    gone = g.tracker.expire(10_000 * MS)
+    assert [w.window_id for w in gone] == [1] and not g.tracker.open

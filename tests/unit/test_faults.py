@@ -1,0 +1,241 @@
+"""Fault classification from pod status (drafter vs target vs MPS loss) and failurePolicy actions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from spectrain_operator import faults
+from spectrain_operator.faults import PodFault, action_for, classify_pod
+from spectrain_workloads import exitcodes, supervisor
+
+pytestmark = pytest.mark.unit
+
+T0 = "2026-11-29T12:00:00Z"
+T1 = "2026-11-29T12:00:01Z"
+T5 = "2026-11-29T12:00:05Z"
+T_LATE = "2026-11-29T12:10:00Z"
+
+
+def term(code: int, at: str = T1, reason: str = "Error", message: str = "") -> dict:
+    t: dict[str, Any] = {"exitCode": code, "reason": reason, "finishedAt": at}
+    if message:
+        t["message"] = message
+    return t
+
+
+def status(name: str, *, state: dict | None = None, last: dict | None = None, restarts: int = 0) -> dict:
+    return {"name": name, "state": state or {"running": {"startedAt": T0}},
+            "lastState": last or {}, "restartCount": restarts}
+
+
+def pod(target: dict | None = None, drafter: dict | None = None, mps: dict | None = None,
+        phase: str = "Running", **extra: Any) -> dict:
+    inits = [s for s in (mps, drafter) if s is not None]
+    st: dict[str, Any] = {"phase": phase, "containerStatuses": [target or status("target")],
+                          "initContainerStatuses": inits, **extra}
+    return {"metadata": {"name": "demo-0"}, "status": st}
+
+
+def job(rules: list[dict] | None = None, max_failures: int = 3) -> dict:
+    return {"metadata": {"name": "demo"},
+            "spec": {"drafter": {"maxFailures": max_failures},
+                     "runPolicy": {"failurePolicy": {"rules": rules or []}}}}
+
+
+def rule(action: str, container: str, values: list[int], operator: str = "In") -> dict:
+    return {"action": action, "onExitCodes": {"container": container, "operator": operator, "values": values}}
+
+
+# ------------------------------------------------------------------------------ classification
+
+
+def test_healthy_and_succeeded_pods_have_no_fault() -> None:
+    assert classify_pod(pod(drafter=status("drafter"))) is None
+    done = pod(status("target", state={"terminated": term(0, T1, "Completed")}),
+               status("drafter", state={"terminated": term(143, T1)}), phase="Succeeded")
+    assert classify_pod(done) is None, "a sidecar stopped at the target's end is shutdown, not a fault"
+
+
+def test_target_fault() -> None:
+    f = classify_pod(pod(status("target", state={"terminated": term(42, T1)}), status("drafter")))
+    assert f == PodFault("target", 42, "TargetFailed", f.message if f else "")
+    assert f is not None and "code 42" in f.message
+
+
+def test_target_oom() -> None:
+    f = classify_pod(pod(status("target", state={"terminated": term(137, T1, "OOMKilled")})))
+    assert f is not None and (f.container, f.reason, f.exit_code) == ("target", "TargetOOMKilled", 137)
+
+
+def test_drafter_fault_while_target_runs() -> None:
+    d = status("drafter", state={"waiting": {"reason": "CrashLoopBackOff"}}, last={"terminated": term(1, T1)},
+               restarts=2)
+    f = classify_pod(pod(drafter=d))
+    assert f is not None
+    assert (f.container, f.exit_code, f.reason, f.restarts) == ("drafter", 1, "DrafterFailed", 2)
+
+
+def test_drafter_oom() -> None:
+    d = status("drafter", last={"terminated": term(137, T1, "OOMKilled")}, restarts=1)
+    f = classify_pod(pod(drafter=d))
+    assert f is not None and f.reason == "DrafterOOMKilled"
+
+
+def test_drafter_clean_exit_is_not_a_fault() -> None:
+    assert classify_pod(pod(drafter=status("drafter", last={"terminated": term(0, T1, "Completed")}))) is None
+
+
+def test_mps_loss_caused_by_the_drafter() -> None:
+    t = status("target", state={"terminated": term(86, T5, message="CUDA error: cudaErrorMpsClientTerminated")})
+    d = status("drafter", last={"terminated": term(139, T1)}, restarts=1)
+    f = classify_pod(pod(t, d))
+    assert f is not None
+    assert (f.container, f.reason, f.exit_code, f.caused_by_drafter) == ("mps", "MPSServerLost", 139, True)
+
+
+def test_mps_loss_in_the_same_second_attributed_by_collateral_message() -> None:
+    t = status("target", state={"terminated": term(1, T1, message="RuntimeError: CUDA error: "
+                                                  "cudaErrorMpsClientTerminated")})
+    d = status("drafter", state={"terminated": term(86, T1, message="CUDA error: an illegal memory access")})
+    f = classify_pod(pod(t, d))
+    assert f is not None and f.container == "mps" and f.caused_by_drafter and f.exit_code == 86
+
+
+def test_mps_loss_not_attributable() -> None:
+    t = status("target", state={"terminated": term(86, T1)})
+    d = status("drafter", state={"terminated": term(86, T1)})
+    f = classify_pod(pod(t, d))
+    assert f is not None and f.container == "mps" and not f.caused_by_drafter and f.exit_code == 86
+
+
+def test_unrelated_drafter_crash_long_before_is_a_target_fault() -> None:
+    t = status("target", state={"terminated": term(86, T_LATE)})
+    d = status("drafter", last={"terminated": term(86, T1)}, restarts=1)
+    f = classify_pod(pod(t, d))
+    assert f is not None and f.container == "target"
+
+
+def test_non_gpu_exits_together_are_not_mps_loss() -> None:
+    t = status("target", state={"terminated": term(1, T5, message="ValueError: bad batch")})
+    d = status("drafter", last={"terminated": term(1, T1)}, restarts=1)
+    f = classify_pod(pod(t, d))
+    assert f is not None and f.container == "target"
+
+
+def test_mps_daemon_lost() -> None:
+    m = status("mps-daemon", last={"terminated": term(1, T1)}, restarts=1)
+    t = status("target", state={"terminated": term(86, T5)})
+    f = classify_pod(pod(t, status("drafter"), m))
+    assert f is not None and (f.container, f.reason, f.exit_code) == ("mps", "MPSDaemonLost", 1)
+    assert "target exited with code 86" in f.message
+
+
+def test_mps_daemon_stopped_at_shutdown_is_not_a_fault() -> None:
+    m = status("mps-daemon", state={"terminated": term(0, T5)})
+    t = status("target", state={"terminated": term(0, T1, "Completed")})
+    assert classify_pod(pod(t, None, m, phase="Succeeded")) is None
+
+
+def test_evicted_pod_without_exit_code() -> None:
+    p = {"metadata": {}, "status": {"phase": "Failed", "reason": "Evicted", "message": "node low on memory"}}
+    f = classify_pod(p)
+    assert f is not None and (f.container, f.exit_code, f.reason) == ("target", faults.EXIT_UNKNOWN, "PodFailed")
+    assert "Evicted" in f.message
+
+
+def test_pod_being_deleted_has_no_fault() -> None:
+    p = pod(status("target", state={"terminated": term(143, T1)}))
+    p["metadata"]["deletionTimestamp"] = T1
+    assert classify_pod(p) is None
+
+
+@pytest.mark.parametrize(("verdict", "expected"), [
+    (supervisor.Verdict("mps-by-drafter", 86, 2, False, 139, None), ("mps", 139, "MPSServerLost", True)),
+    (supervisor.Verdict("mps-daemon", 86, 0, False, None, 1), ("mps", 1, "MPSDaemonLost", False)),
+    (supervisor.Verdict("mps", 86, 1, False, 86, None), ("mps", 86, "MPSServerLost", False)),
+    (supervisor.Verdict("target", 3, 0, False, None, None), ("target", 3, "TargetFailed", False)),
+])
+def test_single_container_supervisor_verdict(verdict: supervisor.Verdict, expected: tuple) -> None:
+    code = verdict.target_exit_code or 0
+    t = status("target", state={"terminated": term(code, T1, message=verdict.to_json())})
+    f = classify_pod(pod(t))
+    assert f is not None
+    assert (f.container, f.exit_code, f.reason, f.caused_by_drafter) == expected
+
+
+def test_single_container_success_verdict() -> None:
+    v = supervisor.Verdict("success", 0, 1, False, 1, None)
+    t = status("target", state={"terminated": term(0, T1, "Completed", message=v.to_json())})
+    assert classify_pod(pod(t, phase="Succeeded")) is None
+
+
+# ------------------------------------------------------------------------------ actions
+
+
+def test_target_default_is_restart_job() -> None:
+    assert action_for(PodFault("target", 1, "TargetFailed", ""), job()) == "RestartJob"
+
+
+def test_first_matching_rule_wins() -> None:
+    rules = [rule("FailJob", "target", [42]), rule("RestartJobIgnoreMax", "target", [42, 43]),
+             rule("RestartWithoutDrafter", "target", [0, 42], operator="NotIn")]
+    j = job(rules)
+    assert action_for(PodFault("target", 42, "TargetFailed", ""), j) == "FailJob"
+    assert action_for(PodFault("target", 43, "TargetFailed", ""), j) == "RestartJobIgnoreMax"
+    assert action_for(PodFault("target", 86, "TargetFailed", ""), j) == "RestartWithoutDrafter"
+
+
+def test_rules_for_the_other_container_do_not_match() -> None:
+    j = job([rule("FailJob", "drafter", [1])])
+    assert action_for(PodFault("target", 1, "TargetFailed", ""), j) == "RestartJob"
+
+
+def test_unknown_exit_ignores_rules() -> None:
+    j = job([rule("FailJob", "target", [0], operator="NotIn")])
+    assert action_for(PodFault("target", faults.EXIT_UNKNOWN, "PodFailed", ""), j) == "RestartJob"
+
+
+def test_drafter_faults_without_rules_ignore_then_drop_the_drafter() -> None:
+    j = job(max_failures=3)
+    assert action_for(PodFault("drafter", 1, "DrafterFailed", "", restarts=2), j) == "Ignore"
+    assert action_for(PodFault("drafter", 1, "DrafterFailed", "", restarts=3), j) == "RestartWithoutDrafter"
+
+
+@pytest.mark.parametrize(("rule_action", "expected"), [
+    ("FailJob", "RestartWithoutDrafter"),
+    ("RestartJob", "RestartJobIgnoreMax"),
+    ("RestartJobIgnoreMax", "RestartJobIgnoreMax"),
+    ("RestartWithoutDrafter", "RestartWithoutDrafter"),
+])
+def test_drafter_rules_never_fail_the_job(rule_action: str, expected: str) -> None:
+    j = job([rule(rule_action, "drafter", [1])])
+    assert action_for(PodFault("drafter", 1, "DrafterFailed", ""), j) == expected
+
+
+def test_mps_loss_caused_by_drafter_follows_a_drafter_rule() -> None:
+    fault = PodFault("mps", 139, "MPSServerLost", "", caused_by_drafter=True)
+    assert action_for(fault, job()) == "RestartJob"
+    assert action_for(fault, job([rule("RestartWithoutDrafter", "drafter", [139, 86])])) == "RestartWithoutDrafter"
+    assert action_for(fault, job([rule("FailJob", "drafter", [139])])) == "RestartWithoutDrafter"
+
+
+def test_other_mps_losses() -> None:
+    j = job([rule("FailJob", "target", [86])])
+    assert action_for(PodFault("mps", 1, "MPSDaemonLost", ""), j) == "RestartJob"
+    assert action_for(PodFault("mps", 86, "MPSServerLost", ""), j) == "FailJob"
+
+
+def test_bad_rules_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"rules\[0\]\.action"):
+        action_for(PodFault("target", 1, "TargetFailed", ""), job([{"action": "Explode"}]))
+    with pytest.raises(ValueError, match=r"onExitCodes\.operator"):
+        action_for(PodFault("target", 1, "TargetFailed", ""), job([rule("FailJob", "target", [1], "Maybe")]))
+
+
+def test_exit_code_conventions_match_the_workloads() -> None:
+    assert faults.EXIT_GPU_FAULT == exitcodes.EXIT_GPU_FAULT
+    assert faults.EXIT_CONFIG == exitcodes.EXIT_CONFIG
+    assert faults.GPU_FAULT_EXIT_CODES == exitcodes.GPU_FAULT_EXIT_CODES
+    assert faults.SUPERVISOR_VERDICT_KEY == supervisor.VERDICT_KEY
+    assert faults.MPS_LOSS_WINDOW_S == supervisor.MPS_LOSS_WINDOW_S

@@ -1,0 +1,371 @@
+"""The operator chart: strict lint, rendering with default and non-default values, every rendered
+manifest validated against the Kubernetes 1.34 schemas, values.yaml documented key by key, and
+the CRDs in the chart byte-identical to the top-level crds/."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "spectrain-operator"
+KUBE_VERSION = "1.34"
+RELEASE, NAMESPACE = "spectrain", "spectrain-system"
+# CRDs the chart owns itself (kopf's peering resources); everything else in crds/ is a copy.
+CHART_OWNED_CRDS = {"kopf.dev_peerings.yaml"}
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "ha": {"replicaCount": 2, "peering": {"lifetime": 10}},
+    "namespaced-ha": {"replicaCount": 3, "watchNamespaces": ["team-a", "team-b"]},
+    "everything": {
+        "replicaCount": 2,
+        "image": {"repository": "registry.internal/spectrain/operator",
+                  "digest": "sha256:" + "ab" * 32, "pullPolicy": "Always"},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "fullnameOverride": "stj-op",
+        "serviceAccount": {"name": "stj-sa", "annotations": {"iam.example.org/role": "x"}},
+        "features": {"dra": True, "gangProviders": ["SchedulerPlugins", "Volcano"]},
+        "logging": {"format": "plain", "level": "debug"},
+        "metrics": {"port": 9102, "service": {"port": 8443, "annotations": {"prometheus.io/scrape": "true"}},
+                    "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+        "extraEnv": [{"name": "FOO", "value": "bar"}],
+        "podAnnotations": {"a": "b"}, "podLabels": {"team": "ml"},
+        "priorityClassName": "system-cluster-critical",
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+    },
+    "minimal": {"metrics": {"enabled": False}, "peering": {"enabled": False}, "logging": {"level": "verbose"}},
+}
+
+
+def render(values: dict[str, Any]) -> list[dict[str, Any]]:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    docs = []
+    for path, text in out.items():
+        if path.endswith(".txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def notes(values: dict[str, Any]) -> str:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    return out[f"{CHART.name}/templates/NOTES.txt"]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = by_kind(docs, kind)
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def chart_crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    schemas = {}
+    for f in sorted((CHART / "crds").glob("*.yaml")):
+        for crd in yaml.safe_load_all(f.read_text()):
+            for v in crd["spec"]["versions"]:
+                key = (f"{crd['spec']['group']}/{v['name']}", crd["spec"]["names"]["kind"])
+                schemas[key] = v["schema"]["openAPIV3Schema"]
+    return schemas
+
+
+# ------------------------------------------------------------------------------------ lint
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_lint_strict_is_clean(variant: str) -> None:
+    report = helm.lint(CHART, VARIANTS[variant], strict=True, kube_version=f"v{KUBE_VERSION}.0")
+    assert report["errors"] == [], report
+    assert [m for m in report["messages"] if m["severity"] >= 1] == [], report
+
+
+def test_lint_reports_a_broken_template(tmp_path: Path) -> None:
+    """The lint gate can fail: a copy of the chart with an unknown helper is an error."""
+    import shutil
+
+    broken = tmp_path / CHART.name
+    shutil.copytree(CHART, broken)
+    (broken / "templates" / "broken.yaml").write_text('{{ include "no-such-helper" . }}\n')
+    report = helm.lint(broken, strict=True)
+    assert report["errors"], report
+
+
+def test_chart_declares_kube_version() -> None:
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert meta["kubeVersion"].startswith(">=1.25")
+    assert meta["apiVersion"] == "v2"
+
+
+# ------------------------------------------------------------------------------------ render + validate
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_rendered_manifest_validates(variant: str) -> None:
+    docs = render(VARIANTS[variant])
+    assert docs
+    crd_schemas = chart_crd_schemas()
+    for doc in docs:
+        key = (doc["apiVersion"], doc["kind"])
+        if key in crd_schemas:
+            jsonschema.validate(doc, crd_schemas[key])
+        elif doc["kind"] == "ServiceMonitor":
+            _check_service_monitor(doc, docs)
+        else:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+def _check_service_monitor(sm: dict[str, Any], docs: list[dict[str, Any]]) -> None:
+    """No schema for monitoring.coreos.com offline: check it selects the metrics Service and port."""
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    svc = one(docs, "Service")
+    labels = svc["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    assert sm["spec"]["namespaceSelector"]["matchNames"] == [svc["metadata"]["namespace"]]
+    assert {e["port"] for e in sm["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]}
+
+
+@pytest.mark.parametrize("crd_file", sorted(p.name for p in (CHART / "crds").glob("*.yaml")))
+def test_crds_validate(crd_file: str) -> None:
+    docs = [d for d in yaml.safe_load_all((CHART / "crds" / crd_file).read_text()) if d]
+    assert docs
+    for d in docs:
+        kubernetes_validate.validate(d, KUBE_VERSION, strict=True)
+
+
+def test_validation_catches_a_bad_manifest() -> None:
+    """The schema check can fail: a typo'd field of a rendered Deployment is rejected."""
+    dep = one(render({}), "Deployment")
+    dep["spec"]["template"]["spec"]["containers"][0]["imagePullPolice"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, KUBE_VERSION, strict=True)
+
+
+# ------------------------------------------------------------------------------------ what renders
+def _container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_default_deployment_is_hardened() -> None:
+    docs = render({})
+    dep = one(docs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    c = _container(docs)
+    assert c["command"] == ["python", "-m", "spectrain_operator"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert set(c["resources"]["requests"]) == {"cpu", "memory"}
+    assert set(c["resources"]["limits"]) == {"cpu", "memory"}
+    # The kubelet probes exactly what kopf serves.
+    liveness = [a for a in c["args"] if a.startswith("--liveness=")]
+    assert liveness == ["--liveness=http://0.0.0.0:8080/healthz"]
+    probe = c["livenessProbe"]["httpGet"]
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}[probe["port"]]
+    assert (port, probe["path"]) == (8080, "/healthz")
+    assert "--all-namespaces" in c["args"] and "--standalone" in c["args"]
+    assert "--log-format=json" in c["args"] and "--metrics-port=9090" in c["args"]
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    assert not by_kind(docs, "PodDisruptionBudget")
+    assert not by_kind(docs, "ClusterKopfPeering")
+    assert {d["kind"] for d in docs} == {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
+                                         "Service"}
+    sa = one(docs, "ServiceAccount")["metadata"]["name"]
+    assert pod["serviceAccountName"] == sa
+    crb = one(docs, "ClusterRoleBinding")
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+    assert crb["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_operator_cli_accepts_the_rendered_args(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Deployment's args and env are what `python -m spectrain_operator` parses."""
+    from spectrain_operator.__main__ import parse_args
+
+    c = _container(render(VARIANTS[variant]))
+    for e in c.get("env", []):
+        if "value" in e:
+            monkeypatch.setenv(e["name"], e["value"])
+    args = parse_args(c["args"])
+    assert args.liveness.endswith("/healthz")
+    if "--peering=spectrain-operator" in c["args"]:
+        assert args.peering == "spectrain-operator" and args.priority > 0
+        assert args.peering_lifetime == VARIANTS[variant].get("peering", {}).get("lifetime", 15)
+    else:
+        assert args.standalone
+    assert args.log_format in ("json", "plain")
+
+
+def test_random_priorities_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spectrain_operator.__main__ import parse_args
+
+    monkeypatch.setenv("SPECTRAIN_PEERING_PRIORITY", "random")
+    assert len({parse_args([]).priority for _ in range(20)}) == 20
+
+
+def test_ha_renders_pdb_peering_and_rules() -> None:
+    docs = render(VARIANTS["ha"])
+    c = _container(docs)
+    assert one(docs, "Deployment")["spec"]["replicas"] == 2
+    assert one(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    assert "--peering=spectrain-operator" in c["args"] and "--standalone" not in c["args"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["SPECTRAIN_PEERING_PRIORITY"] == "random"
+    assert env["SPECTRAIN_PEERING_LIFETIME"] == "10"
+    assert "POD_ID" in env
+    assert one(docs, "ClusterKopfPeering")["metadata"]["name"] == "spectrain-operator"
+    rules = one(docs, "ClusterRole")["rules"]
+    assert any(r["apiGroups"] == ["kopf.dev"] and r["resources"] == ["clusterkopfpeerings"] for r in rules)
+    anti = one(docs, "Deployment")["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["preferredDuringSchedulingIgnoredDuringExecution"]
+
+
+def test_watch_selected_namespaces_has_no_cluster_scope() -> None:
+    docs = render(VARIANTS["namespaced-ha"])
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    assert not by_kind(docs, "ClusterKopfPeering")
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "RoleBinding")) == ["team-a", "team-b"]
+    assert sorted(p["metadata"]["namespace"] for p in by_kind(docs, "KopfPeering")) == ["team-a", "team-b"]
+    for r in roles:
+        assert any(rule["resources"] == ["kopfpeerings"] for rule in r["rules"])
+        assert not any("clusterkopfpeerings" in rule["resources"] for rule in r["rules"])
+    args = _container(docs)["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
+
+
+def test_features_add_only_their_rules() -> None:
+    def groups(values: dict[str, Any]) -> set[str]:
+        return {g for r in one(render(values), "ClusterRole")["rules"] for g in r["apiGroups"]}
+
+    base = groups({})
+    assert base == {"spectrain.io", "", "rbac.authorization.k8s.io"}
+    assert groups({"features": {"dra": True}}) - base == {"resource.k8s.io"}
+    assert groups({"features": {"gangProviders": ["Volcano"]}}) - base == {"scheduling.volcano.sh"}
+    assert groups({"features": {"gangProviders": ["SchedulerPlugins"]}}) - base == {"scheduling.x-k8s.io"}
+
+
+def test_no_wildcards_in_rbac() -> None:
+    for variant in VARIANTS.values():
+        for role in by_kind(render(variant), "ClusterRole") + by_kind(render(variant), "Role"):
+            for rule in role["rules"]:
+                for field in ("apiGroups", "resources", "verbs"):
+                    assert "*" not in rule.get(field, []), (role["metadata"]["name"], rule)
+                assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+
+
+def test_everything_variant_applies_overrides() -> None:
+    docs = render(VARIANTS["everything"])
+    c = _container(docs)
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert c["image"] == "registry.internal/spectrain/operator@sha256:" + "ab" * 32
+    assert pod["serviceAccountName"] == "stj-sa" == one(docs, "ServiceAccount")["metadata"]["name"]
+    assert one(docs, "Deployment")["metadata"]["name"] == "stj-op"
+    assert {"name": "metrics", "containerPort": 9102, "protocol": "TCP"} in c["ports"]
+    assert "--metrics-port=9102" in c["args"]
+    assert one(docs, "Service")["spec"]["ports"][0]["port"] == 8443
+    assert one(docs, "ServiceMonitor")["metadata"]["labels"]["release"] == "prom"
+    assert "--debug" in c["args"] and "--log-format=plain" in c["args"]
+    assert {"name": "FOO", "value": "bar"} in c["env"]
+    assert pod["tolerations"][0]["key"] == "dedicated"
+
+
+def test_minimal_variant_has_no_metrics_objects() -> None:
+    docs = render(VARIANTS["minimal"])
+    assert not by_kind(docs, "Service") and not by_kind(docs, "ServiceMonitor")
+    c = _container(docs)
+    assert "--verbose" in c["args"]
+    assert "--metrics-port=0" in c["args"]
+    assert [p["name"] for p in c["ports"]] == ["healthz"]
+
+
+def test_notes_mention_the_essentials() -> None:
+    text = notes(VARIANTS["ha"])
+    assert "spectrain-spectrain-operator" in text and "peering" in text and "crds/" in text
+
+
+@pytest.mark.parametrize("bad", [
+    {"replicaCount": 0},
+    {"replicaCount": "two"},
+    {"unknownKey": 1},
+    {"features": {"gangProviders": ["Kueue"]}},
+    {"watchNamespaces": ["Not_A_Namespace"]},
+    {"logging": {"format": "xml"}},
+    {"podSecurityContext": {"runAsNonRoot": False}},
+    {"image": {"digest": "latest"}},
+])
+def test_values_schema_rejects(bad: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmError):
+        render(bad)
+
+
+# ------------------------------------------------------------------------------------ values.yaml docs
+KEY_RE = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z0-9_.-]+):(?:\s|$)")
+
+
+def undocumented_keys(text: str) -> list[str]:
+    """Keys of a values.yaml with no `# --` comment on the line(s) right above them."""
+    lines = text.splitlines()
+    missing, stack = [], []
+    for n, line in enumerate(lines):
+        m = KEY_RE.match(line)
+        if not m:
+            continue
+        indent = len(m["indent"])
+        stack = [(i, k) for i, k in stack if i < indent] + [(indent, m["key"])]
+        j = n - 1
+        while j >= 0 and lines[j].strip().startswith("#") and not lines[j].strip().startswith("# --"):
+            j -= 1  # continuation lines of a multi-line comment
+        if j < 0 or not lines[j].strip().startswith("# --") or len(lines[j]) - len(lines[j].lstrip()) != indent:
+            missing.append(".".join(k for _, k in stack))
+    return missing
+
+
+def test_every_values_key_has_a_comment() -> None:
+    text = (CHART / "values.yaml").read_text()
+    assert undocumented_keys(text) == []
+    # ...and the check sees every key there is.
+    def count(node: Any) -> int:
+        return sum(1 + count(v) for v in node.values()) if isinstance(node, dict) else 0
+
+    assert len([ln for ln in text.splitlines() if KEY_RE.match(ln)]) == count(yaml.safe_load(text))
+
+
+def test_comment_check_catches_an_undocumented_key() -> None:
+    text = "# -- documented\na: 1\nb:\n  # -- nested ok\n  c: 2\n  d: 3\n"
+    assert undocumented_keys(text) == ["b", "b.d"]
+
+
+def test_values_schema_covers_every_top_level_key() -> None:
+    import json
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(values) <= set(schema["properties"])
+    jsonschema.validate(values, schema)
+
+
+# ------------------------------------------------------------------------------------ CRD copies
+def test_crds_in_chart_are_byte_identical_copies() -> None:
+    top = sorted((ROOT / "crds").glob("*.yaml"))
+    assert top, "no CRDs in crds/ (scripts/gen.py writes them)"
+    for src in top:
+        copy = CHART / "crds" / src.name
+        assert copy.exists(), f"{copy} missing: run `python scripts/gen.py`"
+        assert copy.read_bytes() == src.read_bytes(), f"{copy} differs from {src}: run `python scripts/gen.py`"
+    extra = {p.name for p in (CHART / "crds").glob("*")} - {p.name for p in top}
+    assert extra == CHART_OWNED_CRDS

@@ -1,0 +1,291 @@
+"""The ring in one process: format, ordering, wraparound, exact loss accounting, views, back channel,
+file errors (missing / truncated / foreign / version / permissions), close and resync."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.ring import (
+    LAYOUT_VERSION,
+    PayloadTooLarge,
+    ProducerDead,
+    RingConsumer,
+    RingError,
+    RingLayout,
+    RingProducer,
+    RingVersionError,
+    WindowKind,
+    ring_path,
+)
+
+pytestmark = pytest.mark.unit
+
+SMALL = RingLayout(window_slots=64, data_slots=4, data_slot_bytes=1 << 16, back_slots=4, back_slot_bytes=256)
+
+
+@pytest.fixture
+def ring() -> Iterator[Path]:
+    d = Path("/dev/shm") / f"spectrain-test-{uuid.uuid4().hex[:12]}"
+    d.mkdir()
+    yield ring_path(d, 0)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def pair(ring: Path) -> Iterator[tuple[RingProducer, RingConsumer]]:
+    p = RingProducer.create(ring, SMALL, rank=3)
+    c = RingConsumer.open(ring, timeout_s=0)
+    yield p, c
+    c.close()
+    p.close()
+
+
+def test_layout_errors_name_the_field_and_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"RingLayout\.data_slots must be .* got 1: use >= 2"):
+        RingLayout(data_slots=1)
+    with pytest.raises(ConfigError, match=r"RingLayout\.back_slot_bytes must be a multiple of 64.*use 320"):
+        RingLayout(back_slot_bytes=300)
+    assert RingLayout().file_bytes < 40 << 20  # default fits the default 256Mi volume with room
+
+
+def test_window_kind_api_names_round_trip() -> None:
+    assert [k.api_name for k in WindowKind] == ["Bubble", "Communication", "Imbalance", "RolloutTail"]
+    assert all(WindowKind.from_api_name(k.api_name) is k for k in WindowKind)
+    with pytest.raises(ValueError, match="Bubble, Communication"):
+        WindowKind.from_api_name("bubble")
+
+
+def test_windows_arrive_in_order_with_every_field(pair: tuple[RingProducer, RingConsumer]) -> None:
+    p, c = pair
+    a = p.window_start(WindowKind.BUBBLE, stage=1, step=12, predicted_duration_ns=3_000_000, start_ns=1000)
+    b = p.window_start(WindowKind.COMMUNICATION, stage=2, step=12, flags=5, start_ns=2000)
+    p.window_end(a, actual_duration_ns=2_500_000)
+    p.window_end(b, end_ns=2500)
+    ev = c.poll_windows()
+    assert [e.seq for e in ev] == [1, 2, 3, 4] and c.windows_missed == 0
+    assert [(e.window_id, e.is_end) for e in ev] == [(a, False), (b, False), (a, True), (b, True)]
+    assert (ev[0].kind, ev[0].rank, ev[0].stage, ev[0].step, ev[0].start_ns) == (WindowKind.BUBBLE, 3, 1, 12, 1000)
+    assert ev[0].predicted_end_ns == 3_001_000 and ev[0].actual_duration_ns == 0 and ev[0].end_ns is None
+    assert ev[1].predicted_end_ns is None and ev[1].flags == 5
+    assert ev[2].actual_duration_ns == 2_500_000 and ev[2].predicted_duration_ns == 3_000_000
+    assert ev[3].end_ns == 2500 and ev[3].kind is WindowKind.COMMUNICATION
+    assert a >> 32 == p.generation == c.generation == 1
+    assert c.poll_windows() == []
+    with pytest.raises(RingError, match=f"window_end\\({a}\\): no open window"):
+        p.window_end(a)
+
+
+def test_100k_records_wrap_a_64_slot_ring_without_loss(pair: tuple[RingProducer, RingConsumer]) -> None:
+    p, c = pair
+    seen = []
+    for batch in range(2000):
+        for i in range(50):
+            p.window_start(WindowKind.IMBALANCE, stage=0, step=batch * 50 + i)
+        seen.extend(e.step for e in c.poll_windows())
+    assert seen == list(range(100_000))
+    assert c.windows_missed == 0 and p.windows_published == 100_000
+
+
+def test_a_lagging_reader_counts_exactly_what_it_missed(pair: tuple[RingProducer, RingConsumer]) -> None:
+    p, c = pair
+    for i in range(1000):
+        p.window_start(WindowKind.BUBBLE, stage=0, step=i)
+    ev = c.poll_windows(max_records=10)
+    assert [e.step for e in ev] == list(range(936, 946)) and c.windows_missed == 936
+    for i in range(1000, 1100):  # laps the reader again while it holds its place at 946
+        p.window_start(WindowKind.BUBBLE, stage=0, step=i)
+    ev = c.poll_windows()
+    assert [e.step for e in ev] == list(range(1036, 1100))
+    assert len(ev) + 10 + c.windows_missed == 1100
+
+
+def test_data_keeps_dtypes_shapes_and_is_a_read_only_view(pair: tuple[RingProducer, RingConsumer]) -> None:
+    p, c = pair
+    h = np.arange(24, dtype=np.float16).reshape(4, 6)
+    arrays = {"hidden": h, "tokens": np.arange(4, dtype=np.int64), "transposed": h.T, "scalar": np.float64(2.5),
+              "empty": np.zeros((0, 3), np.int32), "mask": np.array([True, False])}
+    seq = p.publish_data({"step": 7, "dtype": "float16"}, arrays)
+    rec = c.next_data()
+    assert rec is not None and rec.seq == seq == 1 and rec.meta == {"step": 7, "dtype": "float16"}
+    for name, want in arrays.items():
+        got = rec.arrays[name]
+        assert got.dtype == np.asarray(want).dtype and np.array_equal(got, want), name
+        assert not got.flags.writeable
+    assert rec.arrays["transposed"].flags.c_contiguous
+    with pytest.raises(ValueError):
+        rec.arrays["hidden"][0, 0] = 1
+    assert rec.valid() and c.next_data() is None
+
+
+def test_data_overwritten_under_a_reader_is_invalid_and_counted(pair: tuple[RingProducer, RingConsumer]) -> None:
+    p, c = pair
+    x = np.zeros(1000, np.int32)
+    p.publish_data({"i": 0}, {"x": x})
+    rec = c.next_data()
+    assert rec is not None and rec.valid()
+    for i in range(1, 11):  # 4 slots: record 1's slot is reused by record 5
+        p.publish_data({"i": i}, {"x": x + i})
+    assert not rec.valid()
+    assert int(rec.arrays["x"][0]) == 8  # a view, not a copy: it shows the slot's current record
+    got = []
+    while (r := c.next_data()) is not None:
+        got.append(r.meta["i"])
+    assert got == [7, 8, 9, 10] and c.data_dropped == 6
+
+
+def test_oversized_payloads_name_the_layout_field(pair: tuple[RingProducer, RingConsumer]) -> None:
+    p, c = pair
+    with pytest.raises(PayloadTooLarge, match=r"needs 65600 bytes .* RingLayout.data_slot_bytes is 65536"):
+        p.publish_data({}, {"x": np.zeros(65536, np.uint8)})
+    with pytest.raises(PayloadTooLarge, match="at most 8"):
+        p.publish_data({}, {str(i): np.zeros(1) for i in range(9)})
+    with pytest.raises(PayloadTooLarge, match="back_slot_bytes"):
+        c.publish_back({"blob": "x" * 300})
+    assert p.data_published == 0 and c.next_data() is None
+
+
+def test_a_rejected_publish_leaves_the_ring_intact(pair: tuple[RingProducer, RingConsumer]) -> None:
+    p, c = pair
+    p.window_start(WindowKind.BUBBLE, stage=0, step=1)
+    with pytest.raises(ValueError, match="durations and times must be >= 0"):
+        p.window_start(WindowKind.BUBBLE, stage=0, step=2, predicted_duration_ns=-1)
+    p.window_start(WindowKind.BUBBLE, stage=0, step=3)
+    assert [e.step for e in c.poll_windows()] == [1, 3] and c.windows_missed == 0
+
+
+def test_back_channel_gives_the_newest_message(ring: Path) -> None:
+    p = RingProducer.create(ring, SMALL)
+    c = RingConsumer.open(ring, timeout_s=0)
+    assert p.latest_back() is None
+    for v in range(1, 7):  # wraps the 4 back slots
+        sent = c.publish_back({"state": "Active", "version": v})
+    got = p.latest_back()
+    assert got == sent and got is not None and got.data["version"] == 6 and got.sender_pid == os.getpid()
+    c.close()
+    c2 = RingConsumer.open(ring, timeout_s=0)  # a restarted drafter continues the sequence
+    assert c2.publish_back({"state": "Waiting"}).seq == 7
+    sent = c2.publish_back({"state": "Active"})
+    assert p.latest_back() == sent
+    c2.close()
+    p.close()
+
+
+def test_start_latest_skips_old_records_and_oldest_keeps_them(ring: Path) -> None:
+    p = RingProducer.create(ring, SMALL)
+    for i in range(100):
+        p.window_start(WindowKind.BUBBLE, stage=0, step=i)
+    p.publish_data({"i": 0}, {})
+    latest = RingConsumer.open(ring, timeout_s=0)
+    oldest = RingConsumer.open(ring, timeout_s=0, start="oldest")
+    assert latest.poll_windows() == [] and latest.next_data() is None
+    assert [e.step for e in oldest.poll_windows()] == list(range(36, 100)) and oldest.windows_missed == 0
+    assert oldest.next_data() is not None
+    with pytest.raises(ValueError, match="start must be"):
+        RingConsumer.open(ring, timeout_s=0, start="newest")
+    latest.close()
+    oldest.close()
+    p.close()
+
+
+def test_ring_file_is_private_even_with_an_open_umask(ring: Path) -> None:
+    old = os.umask(0)
+    try:
+        p = RingProducer.create(ring, SMALL)
+    finally:
+        os.umask(old)
+    assert ring.stat().st_mode & 0o777 == 0o600
+    assert [f.name for f in ring.parent.iterdir()] == [ring.name]  # no temp file left behind
+    p.close()
+
+
+def test_missing_file_is_a_clear_error(ring: Path) -> None:
+    with pytest.raises(RingError, match=f"ring {ring} does not exist .*the target on this rank creates it"):
+        RingConsumer.open(ring, timeout_s=0.05)
+    with pytest.raises(RingError, match="ring directory .* does not exist"):
+        RingProducer.create(ring.parent / "nope" / "ring-0")
+
+
+def test_truncated_foreign_and_corrupt_files_are_clear_errors(ring: Path) -> None:
+    RingProducer.create(ring, SMALL).close()
+    whole = ring.read_bytes()
+    ring.write_bytes(whole[:100])
+    with pytest.raises(RingError, match=r"truncated \(100 bytes.*delete it"):
+        RingConsumer.open(ring, timeout_s=0)
+    ring.write_bytes(whole[:8192])
+    with pytest.raises(RingError, match=r"truncated \(8192 bytes, its header says"):
+        RingConsumer.open(ring, timeout_s=0)
+    ring.write_bytes(b"\x7fELF" + bytes(len(whole) - 4))
+    with pytest.raises(RingError, match="not a spectrain ring file .*SPECTRAIN_RING_DIR"):
+        RingConsumer.open(ring, timeout_s=0)
+    corrupt = bytearray(whole)
+    struct.pack_into("=Q", corrupt, 64, 65)  # window_slots no longer matches the stored offsets
+    ring.write_bytes(bytes(corrupt))
+    with pytest.raises(RingError, match="corrupt header"):
+        RingConsumer.open(ring, timeout_s=0)
+
+
+def test_layout_version_mismatch_names_both_versions(ring: Path) -> None:
+    RingProducer.create(ring, SMALL).close()
+    raw = bytearray(ring.read_bytes())
+    struct.pack_into("=I", raw, 8, 99)
+    ring.write_bytes(bytes(raw))
+    with pytest.raises(RingVersionError, match=f"layout version 99 but this spectrain reads layout version "
+                                               f"{LAYOUT_VERSION}"):
+        RingConsumer.open(ring, timeout_s=0)
+    p = RingProducer.create(ring, SMALL)  # a producer replaces a file of another version
+    assert p.generation == 2
+    p.close()
+
+
+def test_closed_producer_is_not_alive(pair: tuple[RingProducer, RingConsumer]) -> None:
+    p, c = pair
+    assert c.producer_alive(max_age_s=1.0) and c.heartbeat_age_s() < 1.0
+    c.check_alive()
+    p.close()
+    assert not c.producer_alive()
+    with pytest.raises(ProducerDead, match="closed the ring"):
+        c.check_alive()
+    with pytest.raises(RingError, match="closed"):
+        p.window_start(WindowKind.BUBBLE, stage=0, step=0)
+
+
+def test_reader_drains_the_old_file_then_follows_a_new_generation(ring: Path) -> None:
+    p1 = RingProducer.create(ring, SMALL)
+    c = RingConsumer.open(ring, timeout_s=0)
+    p1.window_start(WindowKind.BUBBLE, stage=0, step=1)
+    p1.publish_data({"gen": 1}, {})
+    p2 = RingProducer.create(ring, RingLayout(window_slots=128))  # the new generation may change the layout
+    p2.window_start(WindowKind.ROLLOUT_TAIL, stage=0, step=2)
+    assert [e.step for e in c.poll_windows()] == [1, 2]
+    assert (c.generation, c.resyncs, c.layout.window_slots) == (2, 1, 128)
+    assert c.data_dropped == 1  # the old file's unread data record: counted, not silently lost
+    assert c.next_data() is None and c.producer_alive()
+    p1.close()  # closing a superseded producer does not touch the new file
+    assert c.producer_alive()
+    c.close()
+    p2.close()
+
+
+def test_valid_is_false_after_the_reader_closes(pair: tuple[RingProducer, RingConsumer]) -> None:
+    p, c = pair
+    p.publish_data({}, {"x": np.ones(3)})
+    rec = c.next_data()
+    assert rec is not None and rec.valid()
+    c.close()
+    assert not rec.valid() and float(rec.arrays["x"].sum()) == 3.0  # still mapped while referenced
+
+
+def test_ring_does_not_import_torch() -> None:
+    code = "import sys, spectrain_workloads.ring; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

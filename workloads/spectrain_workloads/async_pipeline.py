@@ -1,0 +1,473 @@
+"""Asynchronous pipeline training (PipeDream-1F1B with weight stashing), for spec.mode AsyncPipeline.
+
+Stage k of P runs its forward of minibatch t on the weights it had after t - d_k updates and
+applies the resulting gradient to its current weights: d_k = P - 1 - k steps of staleness (stage 0
+is the stalest, the last stage is synchronous). Weight stashing keeps, per minibatch in flight, the
+weight version its forward used, so its backward runs on the same version. Each minibatch is one
+optimizer update (no gradient accumulation), so no bubbles exist and the ring gets no windows.
+
+Two executions of the same maths:
+- `simulate(...)`: one process, the full model, each stage's stashed versions swapped in through
+  `torch.func.functional_call`; for fast experiments (bench/basis_rotation.py).
+- `run(cfg)`: one process per stage (gloo on CPU, nccl on CUDA), 1F1B schedule: d_k warm-up
+  forwards, then forward(t + d_k), backward(t). Activations go down, gradients (and the last
+  stage's loss, for rank 0's progress) come back up.
+With `max_staleness=0` both are synchronous training; `simulate` with P=1 is plain training.
+
+Shapes: B batch, T seq_len, H model dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sysconfig
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from spectrain_workloads.config import JobConfig
+from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.model import ModelConfig, Transformer, model_config
+from spectrain_workloads.optim import build_optimizer
+from spectrain_workloads.tokenizer import ByteTokenizer
+
+Weights = dict[str, torch.Tensor]
+
+# ---- data (swap for spectrain_workloads.data once it exists) ---------------------------------
+
+
+def load_tokens(source: str, *, max_bytes: int = 8 << 20) -> torch.Tensor:
+    """Byte tokens [N] (int64) of a text source: builtin:python-stdlib, file:///dir, pvc://claim/path."""
+    if source == "builtin:python-stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(p for p in root.glob("*.py"))                    # top-level modules: stable, varied
+    elif source.startswith(("file://", "pvc://")):
+        if source.startswith("file://"):
+            root = Path(source[len("file://"):])
+        else:
+            root = Path(os.environ.get("SPECTRAIN_DATA_ROOT", "/var/run/spectrain/data")) / source[len("pvc://"):]
+        files = sorted(root.rglob("*")) if root.is_dir() else [root]
+        files = [p for p in files if p.is_file()]
+    else:
+        raise ConfigError(f"spec.target.data.source {source!r}: use builtin:python-stdlib, file:///dir or pvc://claim/path")
+    chunks, total = [], 0
+    for p in files:
+        data = p.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    blob = b"".join(chunks)[:max_bytes]
+    if len(blob) < 1024:
+        raise ConfigError(f"spec.target.data.source {source!r} holds {len(blob)} bytes; it needs at least 1 KiB of text")
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).long()
+
+
+def batch_at(tokens: torch.Tensor, step: int, *, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Minibatch `step` (a pure function of seed and step, so a resumed run sees the same data).
+
+    Returns inputs x [B, T] and next-token targets y [B, T].
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch_size,), generator=gen)
+    idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]         # [B, T+1]
+    window = tokens[idx]
+    return window[:, :-1], window[:, 1:]
+
+
+def lr_scale(step: int, total_steps: int) -> float:
+    """Linear warm-up over min(100, 5% of the run), then constant."""
+    warm = max(1, min(100, total_steps // 20))
+    return min(1.0, (step + 1) / warm)
+
+
+def set_lr(opt: torch.optim.Optimizer, scale: float) -> None:
+    for g in opt.param_groups:
+        g.setdefault("initial_lr", g["lr"])
+        g["lr"] = g["initial_lr"] * scale
+
+
+# ---- stages ---------------------------------------------------------------------------------
+
+
+def delays(n_stages: int, max_staleness: int | None = None) -> list[int]:
+    """Staleness d_k = P - 1 - k of each stage (capped at max_staleness; 0: synchronous)."""
+    cap = n_stages if max_staleness is None else max_staleness
+    return [min(n_stages - 1 - k, cap) for k in range(n_stages)]
+
+
+def stage_of(name: str, cfg: ModelConfig, n_stages: int) -> int:
+    """Pipeline stage owning full-model parameter `name` (same split as Transformer.stage)."""
+    if name.startswith("tok_embeddings."):
+        return 0
+    if name.startswith(("norm.", "output.")):
+        return n_stages - 1
+    return int(name.split(".")[1]) // (cfg.n_layers // n_stages)
+
+
+def stage_named_params(model: Transformer, stage: int, n_stages: int) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if stage_of(n, model.cfg, n_stages) == stage]
+
+
+def _snapshot(named: list[tuple[str, nn.Parameter]]) -> Weights:
+    return {n: p.detach().clone() for n, p in named}
+
+
+def _leaves(weights: Weights) -> Weights:
+    """Fresh autograd leaves over the given storage (their .grad is the stage's gradient)."""
+    return {n: w.detach().requires_grad_() for n, w in weights.items()}
+
+
+# ---- single-process simulator ---------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SimResult:
+    losses: list[float]                                 # training loss of minibatch t
+    evals: list[tuple[int, float]] = field(default_factory=list)   # (updates applied, eval loss)
+    seconds_per_step: float = 0.0
+
+
+def simulate(
+    model: Transformer,
+    optimizers: list[torch.optim.Optimizer],
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    steps: int,
+    *,
+    max_staleness: int | None = None,
+    lr_at: Callable[[int], float] = lambda t: 1.0,
+    eval_fn: Callable[[Transformer], float] | None = None,
+    eval_every: int = 0,
+    stop_below: float | None = None,
+) -> SimResult:
+    """PipeDream with weight stashing on one process: optimizers[k] owns stage k's parameters.
+
+    At step t stage k's parameters are w^k_{max(t - d_k, 0)}; the gradient of the loss at that
+    composite point updates the current w^k_t. `eval_fn(model)` runs every `eval_every` updates
+    on the current weights; the run stops early once it returns a value <= `stop_below`.
+    """
+    P = len(optimizers)
+    d = delays(P, max_staleness)
+    named = [stage_named_params(model, k, P) for k in range(P)]
+    # stash[k][t]: stage k's weights for minibatch t, recorded d_k updates before it runs.
+    stash: list[dict[int, Weights]] = [{t: _snapshot(named[k]) for t in range(d[k])} for k in range(P)]
+    result = SimResult(losses=[])
+    t0 = time.perf_counter()
+    for t in range(steps):
+        weights: Weights = {}
+        for k in range(P):
+            src = stash[k].pop(t) if d[k] else {n: p.detach() for n, p in named[k]}
+            weights.update(_leaves(src))
+        x, y = batch(t)                                                 # [B, T], [B, T]
+        logits = functional_call(model, weights, (x,))                  # [B, T, V]
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        result.losses.append(loss.item())
+        for k, opt in enumerate(optimizers):
+            for n, p in named[k]:
+                p.grad = weights[n].grad
+            if d[k]:
+                stash[k][t + d[k]] = _snapshot(named[k])                # w_t serves minibatch t + d_k
+            set_lr(opt, lr_at(t))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if eval_fn is not None and eval_every and (t + 1) % eval_every == 0:
+            with torch.no_grad():
+                result.evals.append((t + 1, eval_fn(model)))
+            if stop_below is not None and result.evals[-1][1] <= stop_below:
+                break
+    result.seconds_per_step = (time.perf_counter() - t0) / max(1, len(result.losses))
+    return result
+
+
+# ---- multi-process execution ----------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class _InFlight:
+    weights: Weights            # stashed leaves the forward ran on
+    inp: torch.Tensor           # tokens [B, T] (stage 0) or received hidden [B, T, H] (leaf)
+    out: torch.Tensor           # hidden [B, T, H], or the loss (last stage)
+
+
+class StageRunner:
+    """One stage's 1F1B loop with weight stashing. Ranks are stages (data parallelism 1)."""
+
+    def __init__(self, *, module: Transformer, opt: torch.optim.Optimizer, stage: int, n_stages: int,
+                 delay: int, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]], total_steps: int,
+                 device: torch.device, hidden_shape: tuple[int, int, int]) -> None:
+        self.m, self.opt, self.k, self.P, self.d = module, opt, stage, n_stages, delay
+        self.batch, self.total_steps, self.device, self.hidden_shape = batch, total_steps, device, hidden_shape
+        self.named = list(module.named_parameters())
+        # stash[t]: the weights minibatch t will run on (w_{t-d}), recorded right after update t-d.
+        self.stash: dict[int, Weights] = {t: _snapshot(self.named) for t in range(delay + 1)} if delay else {}
+        self.in_flight: dict[int, _InFlight] = {}
+        self._pending: list[tuple[int, Any, torch.Tensor]] = []   # (minibatch, work, buffer) of isends
+        self.on_hidden: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+
+    @property
+    def first(self) -> bool:
+        return self.k == 0
+
+    @property
+    def last(self) -> bool:
+        return self.k == self.P - 1
+
+    def _send(self, t: int, tensor: torch.Tensor, dst: int) -> None:
+        buf = tensor.detach().contiguous()
+        self._pending.append((t, dist.isend(buf, dst), buf))
+
+    def _reap(self, upto: int) -> None:
+        """Wait for sends of minibatches <= upto: their receivers have provably posted the recv."""
+        keep = []
+        for t, work, buf in self._pending:
+            if t <= upto:
+                work.wait()
+            else:
+                keep.append((t, work, buf))
+        self._pending = keep
+
+    def forward(self, t: int) -> None:
+        # d = 0: forward and backward of t are adjacent, the live storage can serve as the stash.
+        weights = _leaves(self.stash.pop(t) if self.d else {n: p.detach() for n, p in self.named})
+        x, y = (v.to(self.device) for v in self.batch(t))
+        if self.first:
+            inp = x                                                         # [B, T]
+        else:
+            inp = torch.empty(self.hidden_shape, device=self.device)
+            dist.recv(inp, self.k - 1)
+            inp.requires_grad_()                                            # [B, T, H]
+        if self.last:
+            logits, hidden = functional_call(self.m, weights, (inp,), {"return_hidden": True})
+            out = F.cross_entropy(logits.flatten(0, 1), y.flatten())         # loss []
+            if self.on_hidden is not None:
+                self.on_hidden(t, hidden[0].detach(), x[0])
+        else:
+            out = functional_call(self.m, weights, (inp,))                   # [B, T, H]
+            self._send(t, out, self.k + 1)
+        self.in_flight[t] = _InFlight(weights=weights, inp=inp, out=out)
+
+    def backward(self, t: int) -> float:
+        """Backward of minibatch t on its stashed weights, then update t+1 of the live weights."""
+        f = self.in_flight.pop(t)
+        loss = torch.zeros(1, device=self.device)
+        if self.last:
+            f.out.backward()
+            loss[0] = f.out.detach()
+        else:
+            grad = torch.empty(self.hidden_shape, device=self.device)
+            dist.recv(grad, self.k + 1)
+            dist.recv(loss, self.k + 1)
+            f.out.backward(grad)
+        if not self.first:
+            self._send(t, f.inp.grad, self.k - 1)
+            self._send(t, loss, self.k - 1)
+        self._reap(t - 2)
+        for n, p in self.named:
+            p.grad = f.weights[n].grad
+        set_lr(self.opt, lr_scale(t, self.total_steps))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.d:
+            self.stash[t + 1 + self.d] = _snapshot(self.named)              # w_{t+1} serves t+1+d
+        return float(loss[0])
+
+    def train(self, start: int, end: int, after_step: Callable[[int, float], None]) -> None:
+        """Minibatches start..end-1: d warm-up forwards, then forward(t + d), backward(t)."""
+        for t in range(start, min(start + self.d, end)):
+            self.forward(t)
+        for t in range(start, end):
+            if t + self.d < end:
+                self.forward(t + self.d)
+            loss = self.backward(t)
+            after_step(t + 1, loss)
+        self._reap(end)
+
+    def versions(self) -> dict[int, Weights]:
+        """Weights of every minibatch not yet applied, forwarded or not (saved in checkpoints)."""
+        out = {t: {n: w.detach().clone() for n, w in f.weights.items()} for t, f in self.in_flight.items()}
+        return {**out, **self.stash} if self.d else {}
+
+
+# ---- checkpoints, metrics -------------------------------------------------------------------
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(rank_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    """rank_dir/step-<N>/state.pt, written to a temp dir and renamed; keeps the newest `keep`."""
+    final = rank_dir / f"step-{step}"
+    tmp = rank_dir / f".step-{step}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save(state, tmp / "state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    for old in sorted(_checkpoint_steps(rank_dir))[:-keep]:
+        shutil.rmtree(rank_dir / f"step-{old}", ignore_errors=True)
+    return final
+
+
+def _checkpoint_steps(rank_dir: Path) -> list[int]:
+    if not rank_dir.is_dir():
+        return []
+    return [int(p.name[5:]) for p in rank_dir.glob("step-*") if p.name[5:].isdigit() and (p / "state.pt").is_file()]
+
+
+def _write_shared(run_dir: Path, runner: StageRunner, mcfg: ModelConfig) -> None:
+    """Stage 0's embedding / the last stage's LM head for the Eagle drafter (contracts.md)."""
+    from safetensors.torch import save_file
+
+    shared = run_dir / "target" / "shared"
+    if runner.first and runner.m.tok_embeddings is not None:
+        w = runner.m.tok_embeddings.weight.detach().cpu().contiguous()
+        _atomic_write(shared / "embedding.safetensors", lambda p: save_file({"weight": w}, str(p)))
+    if runner.last and runner.m.output is not None:
+        w = runner.m.output.weight.detach().cpu().contiguous()
+        _atomic_write(shared / "lm_head.safetensors", lambda p: save_file({"weight": w}, str(p)))
+        _atomic_write(shared / "model_config.json", lambda p: p.write_text(json.dumps(mcfg.to_dict())))
+
+
+def _report_progress(run_dir: Path, progress: dict[str, Any]) -> None:
+    try:
+        from spectrain_workloads.podstatus import report_progress  # type: ignore[import-not-found]
+    except ImportError:
+        _atomic_write(run_dir / "progress.json", lambda p: p.write_text(json.dumps(progress)))
+        return
+    report_progress(progress)
+
+
+def _ring_publisher(rank: int, stage: int) -> tuple[Callable[[int, torch.Tensor, torch.Tensor], None] | None, Any]:
+    """Optional drafter data channel on the last stage: one sequence per step (hidden [T, H], tokens [T])."""
+    ring_dir = os.environ.get("SPECTRAIN_RING_DIR")
+    if not ring_dir or os.environ.get("SPECTRAIN_DRAFTER_ENABLED", "1") != "1":
+        return None, None
+    try:
+        from spectrain_workloads.ring import RingLayout, RingProducer  # type: ignore[attr-defined]
+    except ImportError:
+        return None, None
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    producer = RingProducer.create(Path(ring_dir) / f"ring-{local}", layout=RingLayout(), rank=rank)
+
+    def publish(step: int, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
+        meta = {"step": step, "dtype": str(hidden.dtype).removeprefix("torch."), "stage": stage, "seq_index": 0}
+        producer.publish_data(meta, {"hidden": hidden.float().cpu().numpy(), "tokens": tokens.cpu().numpy()})
+
+    return publish, producer
+
+
+# ---- entry point ----------------------------------------------------------------------------
+
+
+def _validate(cfg: JobConfig) -> None:
+    par = cfg.target.parallelism
+    if par.data != 1:
+        raise ConfigError(f"spec.target.parallelism.data is {par.data}; AsyncPipeline runs one replica (set it to 1)")
+    if cfg.world_size != par.pipeline:
+        raise ConfigError(f"nodes*procsPerNode ({cfg.world_size}) must equal parallelism.pipeline ({par.pipeline})")
+
+
+def _device() -> torch.device:
+    want = os.environ.get("SPECTRAIN_DEVICE", "auto")
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def run(cfg: JobConfig, *, max_staleness: int | None = None) -> dict[str, Any]:
+    """Train this rank's stage (env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, SPECTRAIN_RUN_DIR).
+
+    Resumes from the newest checkpoint step every rank holds. Returns a small summary.
+    """
+    _validate(cfg)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    run_dir = Path(os.environ.get("SPECTRAIN_RUN_DIR", "runs/local"))
+    device = _device()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+    P, k = world, rank
+    tok = ByteTokenizer()
+    mcfg = model_config(cfg.target.model.preset, cfg.target.model.overrides, vocab_size=tok.vocab_size)
+    data = cfg.target.data
+    if data.seq_len > mcfg.max_seq_len:
+        raise ConfigError(f"spec.target.data.seqLen ({data.seq_len}) exceeds the model's max_seq_len ({mcfg.max_seq_len})")
+    module = Transformer.stage(mcfg, k, P).to(device)
+    module.init_weights(cfg.seed)
+    opt = build_optimizer(module, cfg.target.optimizer, stage=k, n_stages=P)
+    tokens = load_tokens(data.source)
+    steps = cfg.target.steps
+    runner = StageRunner(
+        module=module, opt=opt, stage=k, n_stages=P, delay=delays(P, max_staleness)[k],
+        batch=lambda t: batch_at(tokens, t, batch_size=data.batch_size, seq_len=data.seq_len, seed=cfg.seed),
+        total_steps=steps, device=device, hidden_shape=(data.batch_size, data.seq_len, mcfg.dim))
+    rank_dir = run_dir / "target" / f"rank-{rank}"
+    start = _resume(runner, rank_dir, P, device)
+    if rank == 0:
+        tok.save(run_dir)
+    publisher, producer = _ring_publisher(rank, k) if runner.last else (None, None)
+    runner.on_hidden = publisher
+    metrics_path = run_dir / "metrics" / f"target-rank-{rank}.jsonl"
+    metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    ck = cfg.target.checkpoint
+    last = {"t": time.perf_counter(), "loss": float("nan")}
+
+    with metrics_path.open("a") as metrics:
+        def after_step(step: int, loss: float) -> None:
+            now = time.perf_counter()
+            dt, last["t"], last["loss"] = now - last["t"], now, loss
+            tps = data.batch_size * data.seq_len / max(dt, 1e-9)
+            metrics.write(json.dumps({"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tps,
+                                      "idle_s_by_kind": {}, "stage": k, "staleness": runner.d}) + "\n")
+            metrics.flush()
+            if step % ck.every_steps == 0 or step == steps:
+                save_checkpoint(rank_dir, step, {
+                    "step": step, "stage": k, "n_stages": P, "model": module.state_dict(),
+                    "optimizer": opt.state_dict(), "versions": runner.versions()}, ck.keep)
+                _write_shared(run_dir, runner, mcfg)
+            if rank == 0:
+                _report_progress(run_dir, {"step": step, "totalSteps": steps, "loss": loss,
+                                           "tokensPerSecond": tps, "updatedAt": time.time()})
+
+        runner.train(start, steps, after_step)
+    if producer is not None:
+        producer.close()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return {"rank": rank, "stage": k, "start_step": start, "steps": steps, "loss": last["loss"]}
+
+
+def _resume(runner: StageRunner, rank_dir: Path, n_stages: int, device: torch.device) -> int:
+    """Load the newest checkpoint step that every rank holds; 0 when there is none."""
+    mine = max(_checkpoint_steps(rank_dir), default=0)
+    step = torch.tensor([mine])
+    if dist.is_initialized():
+        dist.all_reduce(step, op=dist.ReduceOp.MIN)
+    start = int(step)
+    if start == 0:
+        return 0
+    if start not in _checkpoint_steps(rank_dir):
+        raise ConfigError(f"{rank_dir}: no checkpoint step-{start} although every rank reached it; "
+                          "raise checkpoint.keep or checkpoint.everySteps so ranks keep a common step")
+    state = torch.load(rank_dir / f"step-{start}" / "state.pt", map_location=device, weights_only=True)
+    if state["n_stages"] != n_stages:
+        raise ConfigError(f"{rank_dir}: checkpoint has {state['n_stages']} stages, the job {n_stages}")
+    runner.m.load_state_dict(state["model"])
+    runner.opt.load_state_dict(state["optimizer"])
+    runner.stash = state["versions"]
+    return start

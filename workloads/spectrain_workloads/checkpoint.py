@@ -1,0 +1,143 @@
+"""Per-rank atomic checkpoints with keep-last-N, exact resume, and the shared embedding/head files.
+
+Layout (docs/contracts.md): `$RUN_DIR/target/rank-<r>/step-<N>/state.pt`. A checkpoint is written
+into a hidden temp dir next to it, fsynced, then renamed: a reader sees either no step-<N> or a
+complete one, never half a file. `state.pt` holds what resuming bitwise needs: the stage's
+weights, the optimizer state, every RNG state (torch CPU/CUDA, numpy, python) and the loader's
+position.
+
+Ranks agree on the step to resume from with one MIN all-reduce at start-up (before training, so
+it cannot change any step's maths): a crash between two ranks' saves leaves them at different
+latest steps, and the older one is still kept (keep >= 1 plus the rename order).
+
+Shared files for the Eagle drafter: `target/shared/{embedding,lm_head}.safetensors` ("weight"
+[V, H]) and `model_config.json`, each replaced atomically (temp + rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
+    """Write `path` through a temp file in the same directory and rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                             "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: str | os.PathLike[str], rank: int, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"spec.target.checkpoint.keep must be >= 1, got {keep}")
+        self.dir = Path(run_dir) / "target" / f"rank-{rank}"
+        self.keep = keep
+
+    def steps(self) -> list[int]:
+        """Completed checkpoint steps, ascending."""
+        if not self.dir.is_dir():
+            return []
+        out = []
+        for p in self.dir.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m and (p / "state.pt").is_file():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest(self) -> int | None:
+        s = self.steps()
+        return s[-1] if s else None
+
+    def path(self, step: int) -> Path:
+        return self.dir / f"step-{step}"
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        final = self.path(step)
+        if final.exists():
+            return final            # e.g. SIGTERM right after a periodic save of the same step
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".tmp-step-{step}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        with open(tmp / "state.pt", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(self.dir)
+        self.prune()
+        return final
+
+    def prune(self) -> None:
+        for step in self.steps()[:-self.keep]:
+            shutil.rmtree(self.path(step), ignore_errors=True)
+        for p in self.dir.glob(".tmp-step-*"):          # leftovers of killed saves
+            if not p.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def load(self, step: int) -> dict[str, Any]:
+        path = self.path(step) / "state.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint {path} is missing; the ranks' checkpoints disagree "
+                                    "(raise checkpoint.keep or clear the run directory)")
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def save_shared(run_dir: str | os.PathLike[str], *, embedding: torch.Tensor | None = None,
+                lm_head: torch.Tensor | None = None, model_config: dict[str, Any] | None = None) -> None:
+    """Rewrite the drafter's shared embedding / LM head ("weight" [V, H]) atomically."""
+    from safetensors.torch import save_file
+
+    shared = Path(run_dir) / "target" / "shared"
+    if embedding is not None:
+        w = embedding.detach().to("cpu", copy=True).contiguous()
+        atomic_write(shared / "embedding.safetensors", lambda p: save_file({"weight": w}, str(p)))
+    if lm_head is not None:
+        w = lm_head.detach().to("cpu", copy=True).contiguous()
+        atomic_write(shared / "lm_head.safetensors", lambda p: save_file({"weight": w}, str(p)))
+    if model_config is not None:
+        atomic_write(shared / "model_config.json", lambda p: p.write_text(json.dumps(model_config)))

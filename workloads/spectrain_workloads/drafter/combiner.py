@@ -1,0 +1,189 @@
+"""What the drafter runs in a window: its sample buffer and the adaptive batch combiner.
+
+- SampleBuffer: the target's published sequences, copied out of the ring, bounded in bytes (the
+  CPU side of the memory cap). Every `eval_every`-th sequence is held out for verification and
+  never trained on. Fresh samples train first (newest first: closest to the current target),
+  then older ones are replayed, each at most `max_reuse` times.
+- BatchCombiner: picks the micro-batch size that processes the most samples in the predicted
+  remaining time (micro-step costs measured per size; an unmeasured size is priced by scaling
+  the largest measured smaller one, which overestimates and so is safe), capped by the memory
+  cap; counts samples accumulated across micro-steps and windows, and says when an optimizer
+  step is due. Its batches hold only drafter samples; nothing is shared with the target.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from spectrain_workloads.drafter.gating import CostModel
+
+
+@dataclass
+class Sample:
+    tokens: torch.Tensor                 # [T] int64
+    hidden: torch.Tensor | None          # [T, H] float32 (None: tokens-only data, LM arch)
+    step: int                            # target step that produced it
+    uses: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        n = self.tokens.numel() * self.tokens.element_size()
+        return n + (self.hidden.numel() * self.hidden.element_size() if self.hidden is not None else 0)
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.numel())
+
+
+class SampleBuffer:
+    def __init__(self, *, max_bytes: int, max_reuse: int, eval_every: int, eval_samples: int) -> None:
+        self.max_bytes, self.max_reuse, self.eval_every = max_bytes, max_reuse, eval_every
+        self.train: deque[Sample] = deque()
+        self.eval: deque[Sample] = deque(maxlen=eval_samples)
+        self.bytes = 0
+        self.received = 0
+        self.evicted_unused = 0      # samples dropped before they ever trained (the drafter lagged)
+        self._eval_fresh = 0         # held-out samples not yet verified on
+
+    def add(self, sample: Sample) -> None:
+        self.received += 1
+        if self.received % self.eval_every == 0:
+            self.eval.append(sample)
+            self._eval_fresh += 1
+            return
+        self.train.append(sample)
+        self.bytes += sample.nbytes
+        while self.bytes > self.max_bytes and len(self.train) > 1:
+            old = self.train.popleft()
+            self.bytes -= old.nbytes
+            self.evicted_unused += old.uses == 0
+
+    def fresh_count(self) -> int:
+        return sum(1 for s in self.train if s.uses == 0)
+
+    def trainable(self) -> int:
+        return len(self.train)
+
+    def take(self, n: int) -> list[Sample]:
+        """Up to n samples of one length: fresh newest first, then the least used; counts the use."""
+        if not self.train or n < 1:
+            return []
+        fresh = [s for s in reversed(self.train) if s.uses == 0]
+        used = sorted((s for s in self.train if s.uses > 0), key=lambda s: s.uses)
+        order = fresh + used
+        length = order[0].length
+        chosen = [s for s in order if s.length == length][:n]
+        for s in chosen:
+            s.uses += 1
+        if any(s.uses >= self.max_reuse for s in chosen):
+            keep = deque(s for s in self.train if s.uses < self.max_reuse)
+            self.bytes = sum(s.nbytes for s in keep)
+            self.train = keep
+        return chosen
+
+    def eval_batch(self) -> list[Sample]:
+        """The held-out samples (newest), and mark them verified."""
+        self._eval_fresh = 0
+        return list(self.eval)
+
+    def eval_fresh(self) -> int:
+        return self._eval_fresh
+
+
+def collate(samples: list[Sample], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-> tokens [B, T] int64, hidden [B, T, H] (None if any sample lacks it)."""
+    tokens = torch.stack([s.tokens for s in samples]).to(device)
+    if any(s.hidden is None for s in samples):
+        return tokens, None
+    return tokens, torch.stack([s.hidden for s in samples]).to(device)  # type: ignore[misc]
+
+
+@dataclass
+class Plan:
+    micro_batch: int
+    micro_steps: int          # how many of them fit the budget
+    cost_ns: int | None       # predicted cost of one (None: not measured yet)
+
+
+def micro_key(b: int) -> tuple[str, int]:
+    return ("train", b)
+
+
+OPTIM_KEY = ("optim", 0)
+VERIFY_KEY = ("verify", 0)
+
+
+class BatchCombiner:
+    def __init__(self, *, max_micro_batch: int, samples_per_step: int, cost: CostModel) -> None:
+        self.max_micro_batch = max_micro_batch
+        self.samples_per_step = samples_per_step
+        self.cost = cost
+        self.memory_cap_samples = max_micro_batch     # lowered by the worker from the device memory cap
+        self.accumulated = 0                          # samples in the gradients since the last step
+        self.samples_trained = 0
+        self.micro_steps = 0
+        self.optimizer_steps = 0
+        self.sizes = sorted({b for b in itertools.takewhile(lambda b: b <= max_micro_batch,
+                                                            (1 << i for i in range(32)))} | {max_micro_batch})
+
+    def micro_cost(self, b: int) -> int | None:
+        """Predicted ns of a micro-step of b samples: measured, else scaled from a smaller measured size."""
+        measured = self.cost.estimate(micro_key(b))
+        if measured is not None:
+            return measured
+        below = [s for s in self.sizes if s < b and self.cost.estimate(micro_key(s)) is not None]
+        if not below:
+            return None
+        b0 = max(below)
+        return int(self.cost.estimate(micro_key(b0)) * b / b0)  # type: ignore[operator]
+
+    def plan(self, budget_ns: int, available: int) -> Plan | None:
+        """The micro-batch size that trains the most samples within budget_ns (ties: the larger size).
+
+        A size never measured is tried first when its pessimistic (linearly scaled) cost fits:
+        linear scaling alone would never show that a larger batch is cheaper per sample.
+        """
+        limit = min(self.max_micro_batch, self.memory_cap_samples, available)
+        best: Plan | None = None
+        for b in self.sizes:
+            if b > limit:
+                break
+            c = self.micro_cost(b)
+            if c is None:
+                if b == 1:
+                    return Plan(1, 1, None)   # the unit itself, not yet measured
+                continue
+            n = budget_ns // max(c, 1)
+            if n < 1:
+                continue
+            if self.cost.estimate(micro_key(b)) is None:
+                return Plan(b, int(min(n, 1 << 30)), c)          # explore
+            if best is None or n * b >= best.micro_steps * best.micro_batch:
+                best = Plan(b, int(min(n, 1 << 30)), c)
+        return best
+
+    def note_micro_step(self, b: int) -> None:
+        self.accumulated += b
+        self.samples_trained += b
+        self.micro_steps += 1
+
+    def step_due(self) -> bool:
+        return self.accumulated >= self.samples_per_step
+
+    def note_optimizer_step(self) -> None:
+        self.accumulated = 0
+        self.optimizer_steps += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"samples_trained": self.samples_trained, "micro_steps": self.micro_steps,
+                "optimizer_steps": self.optimizer_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.samples_trained = int(state.get("samples_trained", 0))
+        self.micro_steps = int(state.get("micro_steps", 0))
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+        self.accumulated = 0   # gradients are not checkpointed: accumulation restarts

@@ -1,0 +1,223 @@
+"""When the drafter may work: its own unit of work, the target's open windows, and the gate.
+
+- CostModel: online durations (ns) of the drafter's tasks, measured around the task including
+  launch and device synchronisation; the unit of work is one training micro-step of one sample.
+- WindowTracker: the open windows seen on the ring and, per kind, the observed durations of
+  closed ones (for open-ended windows) and actual/predicted ratios (to temper optimistic predictions).
+- Gate: activation.policy / kinds / minWindowMs / safetyMarginMs. Work starts in a window only if
+  its predicted remaining time >= unit + margin, and each further task only if remaining >= its
+  cost + margin; the worker checks for the window's end before every task, so it overruns by
+  at most one task.
+
+No torch here: everything is integers in CLOCK_MONOTONIC nanoseconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+MS = 1_000_000
+
+
+def quantile(xs: Iterable[float], q: float) -> float:
+    """Lower-interpolated quantile of a non-empty iterable (q in [0, 1])."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(q * (len(s) - 1) + 1e-9)))]
+
+
+class CostModel:
+    """Robust recent cost (ns) per task key: the `q` quantile of the last `window` measurements.
+
+    A quantile rather than the mean keeps one preempted measurement on a loaded machine from
+    shutting the drafter out of every window until it is forgotten.
+    """
+
+    def __init__(self, *, window: int = 16, q: float = 0.75) -> None:
+        self.window, self.q = window, q
+        self._samples: dict[Hashable, deque[int]] = {}
+
+    def observe(self, key: Hashable, ns: int) -> None:
+        self._samples.setdefault(key, deque(maxlen=self.window)).append(int(ns))
+
+    def estimate(self, key: Hashable) -> int | None:
+        s = self._samples.get(key)
+        return int(quantile(s, self.q)) if s else None
+
+    def keys(self) -> list[Hashable]:
+        return list(self._samples)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples": [[list(k) if isinstance(k, tuple) else k, list(v)] for k, v in self._samples.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._samples = {}
+        for key, values in state.get("samples", []):
+            k = tuple(key) if isinstance(key, list) else key
+            self._samples[k] = deque((int(v) for v in values), maxlen=self.window)
+
+
+@dataclass
+class OpenWindow:
+    window_id: int
+    kind: str                 # API name: Bubble | Communication | Imbalance | RolloutTail
+    stage: int
+    step: int
+    start_ns: int
+    predicted_ns: int         # 0: open-ended
+
+
+@dataclass
+class ClosedWindow:
+    window_id: int
+    kind: str
+    stage: int
+    step: int
+    start_ns: int
+    predicted_ns: int
+    actual_ns: int
+
+    @property
+    def end_ns(self) -> int:
+        return self.start_ns + self.actual_ns
+
+
+class WindowTracker:
+    """Open windows and per-kind history, fed with the ring's window events."""
+
+    def __init__(self, *, history: int = 256, stale_factor: float = 4.0, stale_open_ended_ns: int = 60_000 * MS):
+        self.open: dict[int, OpenWindow] = {}
+        self.durations: dict[str, deque[int]] = {}
+        self.ratios: dict[str, deque[float]] = {}
+        self._history = history
+        self._stale_factor = stale_factor
+        self._stale_open_ended_ns = stale_open_ended_ns
+
+    def update(self, events: Iterable[Any]) -> list[ClosedWindow]:
+        """Apply ring WindowEvents (start and end records); return the windows they closed."""
+        closed: list[ClosedWindow] = []
+        for ev in events:
+            kind = ev.kind.api_name
+            if not ev.is_end:
+                self.open[ev.window_id] = OpenWindow(ev.window_id, kind, ev.stage, ev.step, ev.start_ns,
+                                                     ev.predicted_duration_ns)
+                continue
+            self.open.pop(ev.window_id, None)
+            cw = ClosedWindow(ev.window_id, kind, ev.stage, ev.step, ev.start_ns, ev.predicted_duration_ns,
+                              ev.actual_duration_ns)
+            self.durations.setdefault(kind, deque(maxlen=self._history)).append(cw.actual_ns)
+            if cw.predicted_ns > 0:
+                self.ratios.setdefault(kind, deque(maxlen=self._history)).append(cw.actual_ns / cw.predicted_ns)
+            closed.append(cw)
+        return closed
+
+    def expire(self, now_ns: int) -> list[OpenWindow]:
+        """Forget windows whose end record was lost (ring overrun, restarted producer)."""
+        gone = []
+        for wid, w in list(self.open.items()):
+            limit = (self._stale_factor * w.predicted_ns + 100 * MS) if w.predicted_ns else self._stale_open_ended_ns
+            if now_ns - w.start_ns > limit:
+                gone.append(self.open.pop(wid))
+        return gone
+
+    def clear_open(self) -> None:
+        self.open.clear()
+
+    def predicted_end_ns(self, w: OpenWindow, now_ns: int, *, confidence: float = 0.8,
+                         min_history: int = 5) -> int | None:
+        """A conservative end time for an open window, or None when nothing can be said.
+
+        Known duration: start + predicted, shortened when this kind's windows have tended to end
+        early (the (1-confidence) quantile of actual/predicted, if below 1). Open-ended: of the
+        past windows of this kind that outlived the current elapsed time, the duration that a
+        `confidence` fraction of them reached.
+        """
+        if w.predicted_ns > 0:
+            ratios = self.ratios.get(w.kind)
+            scale = 1.0
+            if ratios and len(ratios) >= min_history:
+                scale = min(1.0, quantile(ratios, 1.0 - confidence))
+            return w.start_ns + int(w.predicted_ns * scale)
+        elapsed = now_ns - w.start_ns
+        survivors = [d for d in self.durations.get(w.kind, ()) if d > elapsed]
+        if len(survivors) < min_history:
+            return None
+        return w.start_ns + int(quantile(survivors, 1.0 - confidence))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"durations": {k: list(v) for k, v in self.durations.items()},
+                "ratios": {k: list(v) for k, v in self.ratios.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.durations = {k: deque(v, maxlen=self._history) for k, v in state.get("durations", {}).items()}
+        self.ratios = {k: deque(v, maxlen=self._history) for k, v in state.get("ratios", {}).items()}
+
+
+@dataclass
+class Budget:
+    """What the gate allows right now."""
+
+    window: OpenWindow | None      # the window worked in (None under policy Always)
+    remaining_ns: int              # predicted time left minus the safety margin (may be < 0)
+    reason: str                    # why not, when remaining_ns says no
+
+
+UNLIMITED_NS = 1 << 62
+UNIT_KEY: Hashable = ("train", 1)   # one training micro-step of one sample: the unit of work
+
+
+class Gate:
+    def __init__(self, *, policy: str, kinds: Iterable[str], safety_margin_ms: float, min_window_ms: float,
+                 cost: CostModel, tracker: WindowTracker) -> None:
+        self.policy = policy
+        self.kinds = frozenset(kinds)
+        self.margin_ns = int(safety_margin_ms * MS)
+        self.min_window_ns = int(min_window_ms * MS)
+        self.cost = cost
+        self.tracker = tracker
+
+    def unit_ns(self) -> int | None:
+        """The minimum unit of work: minWindowMs when set, else the measured one-sample micro-step."""
+        return self.min_window_ns if self.min_window_ns > 0 else self.cost.estimate(UNIT_KEY)
+
+    def budget(self, now_ns: int) -> Budget:
+        """The best usable open window and its predicted remaining time minus the margin."""
+        if self.policy == "Off":
+            return Budget(None, -1, "policy Off")
+        if self.policy == "Always":
+            return Budget(None, UNLIMITED_NS, "")
+        best: Budget = Budget(None, -1, "no open window")
+        for w in self.tracker.open.values():
+            if w.kind not in self.kinds:
+                if best.window is None:
+                    best = Budget(None, -1, f"kind {w.kind} not in activation.kinds")
+                continue
+            end = self.tracker.predicted_end_ns(w, now_ns)
+            if end is None:
+                if best.window is None:
+                    best = Budget(None, -1, f"open-ended {w.kind} window without enough history")
+                continue
+            remaining = end - now_ns - self.margin_ns
+            if best.window is None or remaining > best.remaining_ns:
+                best = Budget(w, remaining, "")
+        return best
+
+    def allows(self, budget: Budget, cost_ns: int | None, *, starting: bool) -> bool:
+        """May a task of `cost_ns` (None: not yet measured) run within `budget`?
+
+        Starting work in a window additionally needs room for one unit of work (the rule that
+        keeps the drafter out of windows shorter than what it can do).
+        """
+        if self.policy == "Always":
+            return True
+        if self.policy == "Off" or budget.remaining_ns < 0:
+            return False
+        need = cost_ns or 0
+        if starting:
+            unit = self.unit_ns()
+            if unit is None:
+                return False  # never measured (the worker measures before the first window)
+            need = max(need, unit)
+        return budget.remaining_ns >= need

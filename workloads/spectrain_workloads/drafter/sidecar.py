@@ -1,0 +1,170 @@
+"""`spectrain-drafter`: the drafter native sidecar of one pod.
+
+Environment (docs/contracts.md): SPECTRAIN_CONFIG, SPECTRAIN_RING_DIR, SPECTRAIN_RUN_DIR,
+SPECTRAIN_EXPORT_DIR, SPECTRAIN_DRAFTER_ENABLED, SPECTRAIN_DEVICE, RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE / CUDA_MPS_PINNED_DEVICE_MEM_LIMIT.
+Drafter-only knobs (tests, benchmarks): SPECTRAIN_DRAFTER_SETTINGS (JSON overrides of
+DrafterSettings), SPECTRAIN_DRAFTER_EXPORT_RANK (which rank exports; default WORLD_SIZE-1, a
+last-stage rank under both rank orders), SPECTRAIN_DRAFTER_THREADS (CPU threads, default 1).
+
+One worker per local rank follows ring file `ring-<i>`: in this process for one local rank,
+else in one spawned process each. A disabled drafter (SPECTRAIN_DRAFTER_ENABLED=0, drafter.enabled
+false, policy Off) stays up idle, since a native sidecar that exits is restarted by the kubelet.
+SIGTERM: each worker finishes its current task (<= one micro-step), writes a checkpoint and
+exits 0, well inside the default 30 s grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from spectrain_workloads.errors import ConfigError
+
+_QTY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+_POW = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+
+
+def parse_memory(value: str, device_index: int = 0) -> int | None:
+    """Bytes from CUDA_MPS_PINNED_DEVICE_MEM_LIMIT ("8G", "8Gi", "0=8G,1=4G", "8589934592").
+
+    K/M/G/T are binary with or without the `i` (MPS's reading); for a per-device list, the
+    entry of `device_index` (None when absent).
+    """
+    text = value.strip()
+    if not text:
+        return None
+    if "=" in text:
+        entries = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+        if str(device_index) not in entries:
+            return None
+        text = entries[str(device_index)]
+    m = _QTY.match(text)
+    if not m:
+        raise ConfigError(f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={value!r} is not a memory size; "
+                          "use e.g. 8G, 8Gi or 0=8G (spec.drafter.gpuShare.pinnedMemoryLimit)")
+    return int(float(m.group(1)) * 1024 ** _POW[m.group(2).upper()])
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def _settings(cfg: Any) -> Any:
+    from spectrain_workloads.drafter.settings import DrafterSettings
+
+    raw = os.environ.get("SPECTRAIN_DRAFTER_SETTINGS", "")
+    try:
+        overrides = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"SPECTRAIN_DRAFTER_SETTINGS is not JSON ({exc})") from None
+    return DrafterSettings.from_spec(cfg.drafter, seed=cfg.seed, **overrides)
+
+
+def _device(local_rank: int) -> Any:
+    import torch
+
+    want = os.environ.get("SPECTRAIN_DEVICE", "auto")
+    if want not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"SPECTRAIN_DEVICE={want!r}: use auto, cpu or cuda")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("SPECTRAIN_DEVICE=cuda but no CUDA device is visible to the drafter container")
+    if want == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def _memory_cap(device: Any) -> int | None:
+    """Device memory cap in bytes; on CUDA also enforced by the caching allocator."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    raw = os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
+    cap = parse_memory(raw, device.index or 0) if raw else None
+    if cap is None:
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max(cap / total, 1e-3)), device)
+    return min(cap, total)
+
+
+def run_worker(local_rank: int, stop: Any = None) -> int:
+    """Run the worker of one local rank until `stop` (a threading/multiprocessing Event) is set."""
+    import torch
+
+    from spectrain_workloads import config
+    from spectrain_workloads.drafter.worker import Worker
+
+    stop = stop or threading.Event()
+    cfg = config.load()
+    settings = _settings(cfg)
+    ring_dir = os.environ.get("SPECTRAIN_RING_DIR")
+    run_dir = os.environ.get("SPECTRAIN_RUN_DIR")
+    if not ring_dir or not run_dir:
+        raise ConfigError("SPECTRAIN_RING_DIR and SPECTRAIN_RUN_DIR must be set (the operator or `spectrain run` "
+                          "sets them to the ring and checkpoint volumes)")
+    rank = _env_int("RANK", 0) + local_rank
+    world = _env_int("WORLD_SIZE", 1)
+    export_rank = _env_int("SPECTRAIN_DRAFTER_EXPORT_RANK", world - 1)
+    export_dir = Path(os.environ.get("SPECTRAIN_EXPORT_DIR") or Path(run_dir) / cfg.drafter.export.path)
+    device = _device(local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(_env_int("SPECTRAIN_DRAFTER_THREADS", 1))
+    enabled = os.environ.get("SPECTRAIN_DRAFTER_ENABLED", "1") != "0" and cfg.drafter.enabled
+    if not enabled:
+        settings.policy = "Off"
+    worker = Worker(settings=settings, rank=rank, ring_path=Path(ring_dir) / f"ring-{local_rank}",
+                    run_dir=Path(run_dir), export_dir=export_dir if rank == export_rank else None,
+                    device=device, stop=stop, memory_cap_bytes=_memory_cap(device))
+    return worker.run()
+
+
+def _child(local_rank: int, stop: Any) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    sys.exit(_guarded(lambda: run_worker(local_rank, stop)))
+
+
+def _guarded(fn: Any) -> int:
+    from spectrain_workloads.exitcodes import exit_code_for
+
+    try:
+        return int(fn())
+    except Exception as exc:  # the exit code tells the operator's failure policy what happened
+        print(f"spectrain-drafter: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return exit_code_for(exc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
+    if local_world == 1:
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        return _guarded(lambda: run_worker(0, stop))
+    ctx = mp.get_context("spawn")
+    mstop = ctx.Event()
+    procs = [ctx.Process(target=_child, args=(i, mstop), name=f"drafter-{i}") for i in range(local_world)]
+    for p in procs:
+        p.start()
+    signal.signal(signal.SIGTERM, lambda *_: mstop.set())
+    signal.signal(signal.SIGINT, lambda *_: mstop.set())
+    for p in procs:
+        p.join()
+    return max((p.exitcode or 0) if p.exitcode is None or p.exitcode >= 0 else 128 - p.exitcode for p in procs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

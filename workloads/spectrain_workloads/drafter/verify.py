@@ -1,0 +1,185 @@
+"""Acceptance of the drafter against the target, on held-out fresh target data.
+
+For a sequence with the target's hidden states h_0..h_{T-1} (final-norm, logits = lm_head(h)),
+the target's greedy token after position p is g_p = argmax lm_head(h_p).
+
+- top-1 agreement: teacher-forced, the fraction of positions where the drafter's first draft
+  equals the target's greedy token (Eagle: argmax logits(h_t, x_{t+1}) == g_{t+1}).
+- expected accepted length of a k-token greedy draft: from a start t the drafter drafts
+  d_1..d_k autoregressively (Eagle feeds back its own predicted hidden states and tokens,
+  as in speculative decoding), draft d_j is checked against g_{t+j}; the accepted length is
+  the number of leading matches (0..k). The reference g_{t+j} comes from the target's hidden
+  states of the data path, so this is exact where the accepted drafts equal the data tokens and
+  an approximation otherwise (the drafter cannot run the target's middle layers).
+  `acceptance_length` = accepted + 1 (EAGLE's tau: tokens per verification, incl. the target's own).
+For tokens-only data (LM arch without the target's hidden states) the reference is the data token.
+
+Work is split into one-sequence chunks so the gate can fit verification into short windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from spectrain_workloads.drafter.models import EagleDrafter
+from spectrain_workloads.model import causal_decode_mask
+
+
+@dataclass
+class Acceptance:
+    k: int
+    top1_hits: int = 0
+    top1_total: int = 0
+    accepted_sum: int = 0
+    chains: int = 0
+    per_depth: list[int] = field(default_factory=list)   # chains whose first j+1 drafts were accepted
+
+    def merge(self, other: Acceptance) -> None:
+        self.top1_hits += other.top1_hits
+        self.top1_total += other.top1_total
+        self.accepted_sum += other.accepted_sum
+        self.chains += other.chains
+        if len(self.per_depth) < len(other.per_depth):
+            self.per_depth += [0] * (len(other.per_depth) - len(self.per_depth))
+        for i, v in enumerate(other.per_depth):
+            self.per_depth[i] += v
+
+    @property
+    def top1(self) -> float:
+        return self.top1_hits / self.top1_total if self.top1_total else 0.0
+
+    @property
+    def accepted(self) -> float:
+        return self.accepted_sum / self.chains if self.chains else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.accepted + 1.0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"k": self.k, "top1": self.top1, "accepted": self.accepted,
+                "acceptance_length": self.acceptance_length, "chains": self.chains, "positions": self.top1_total}
+
+
+def _starts(T: int, k: int, max_starts: int) -> list[int]:
+    """Evenly spread chain starts t with t + k <= T - 1, chains not overlapping."""
+    last = T - 1 - k
+    if last < 0:
+        return []
+    cands = list(range(0, last + 1, k))
+    if len(cands) <= max_starts:
+        return cands
+    step = len(cands) / max_starts
+    return [cands[int(i * step)] for i in range(max_starts)]
+
+
+@torch.no_grad()
+def measure_sample(model: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor | None,
+                   target_head: torch.Tensor | None, *, k: int, max_starts: int = 4) -> Acceptance:
+    """One sequence: tokens [T] int64, hidden [T, H] (None: tokens only), target_head [V, H] (LM arch)."""
+    acc = Acceptance(k=k, per_depth=[0] * k)
+    T = tokens.numel()
+    tok = tokens.view(1, T)
+    eagle = isinstance(model, EagleDrafter)
+    if eagle and hidden is None:
+        return acc
+    if hidden is not None:
+        hid = hidden.view(1, T, -1).float()
+        head = model.lm_head.weight if eagle else target_head
+        greedy = (hid[0] @ head.float().T).argmax(-1) if head is not None else None   # [T]: g_p
+    else:
+        hid, greedy = None, None
+    # Reference for the draft that predicts token p+1: the target's greedy g_p, else the data token.
+    ref = greedy if greedy is not None else torch.cat([tok[0, 1:], tok[0, -1:]])
+
+    # top-1, teacher-forced
+    if eagle:
+        logits, _ = model(tok[:, 1:], hid[:, :-1])       # [1, T-1, V]; position t predicts token t+2
+        pred, want = logits[0].argmax(-1), ref[1:T]
+    else:
+        logits = model(tok[:, :-1])                       # position t predicts token t+1
+        pred, want = logits[0].argmax(-1), ref[: T - 1]
+    acc.top1_hits += int((pred == want).sum())
+    acc.top1_total += int(want.numel())
+
+    # k-token greedy chains with the drafter's KV cache, prefilling the true prefix incrementally
+    starts = _starts(T, k, max_starts)
+    if not starts:
+        return acc
+    model.setup_caches(1, T)
+    try:
+        filled = 0   # true positions [0, filled) are in the cache; drafted ones after a chain are overwritten
+        for t in starts:
+            last_in = t if eagle else t + 1            # last true input position before drafting
+            pos = torch.arange(filled, last_in + 1)
+            mask = causal_decode_mask(pos, T)
+            if eagle:
+                logits, h = model(tok[:, pos + 1], hid[:, pos], pos, mask)
+                h_last = h[:, -1:]
+            else:
+                logits = model(tok[:, pos], pos, mask)
+            filled = last_in + 1
+            d = logits[:, -1].argmax(-1)                # d_1: predicts token t+2
+            n_ok = 0
+            for j in range(1, k + 1):
+                if int(d) != int(ref[t + j]):
+                    break
+                n_ok += 1
+                acc.per_depth[j - 1] += 1
+                if j == k:
+                    break
+                p = torch.tensor([last_in + j])
+                mask = causal_decode_mask(p, T)
+                if eagle:
+                    logits, h = model(d.view(1, 1), h_last, p, mask)
+                    h_last = h
+                else:
+                    logits = model(d.view(1, 1), p, mask)
+                d = logits[:, -1].argmax(-1)
+            # The chain left drafted entries in slots after last_in; the next start (>= t + k)
+            # prefills from `filled` = last_in + 1 and so overwrites them with true ones.
+            acc.accepted_sum += n_ok
+            acc.chains += 1
+    finally:
+        model.clear_caches()
+    return acc
+
+
+def measure(model: nn.Module, samples: list[tuple[torch.Tensor, torch.Tensor | None]],
+            target_head: torch.Tensor | None, *, k: int, max_starts: int = 4) -> Acceptance:
+    """Acceptance over several (tokens [T], hidden [T, H] | None) sequences."""
+    total = Acceptance(k=k, per_depth=[0] * k)
+    for tokens, hidden in samples:
+        total.merge(measure_sample(model, tokens, hidden, target_head, k=k, max_starts=max_starts))
+    return total
+
+
+class Verifier:
+    """A verification round split into one-sequence chunks (each a gated task of its own)."""
+
+    def __init__(self, *, k: int, max_starts: int = 4) -> None:
+        self.k, self.max_starts = k, max_starts
+        self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._acc = Acceptance(k=k, per_depth=[0] * k)
+        self.last: Acceptance | None = None
+        self.rounds = 0
+
+    def begin(self, samples: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        self._pending = list(samples)
+        self._acc = Acceptance(k=self.k, per_depth=[0] * self.k)
+
+    @property
+    def in_progress(self) -> bool:
+        return bool(self._pending)
+
+    def run_chunk(self, model: nn.Module, target_head: torch.Tensor | None) -> Acceptance | None:
+        """Verify one sequence; returns the round's result when this chunk completed it."""
+        tokens, hidden = self._pending.pop()
+        self._acc.merge(measure_sample(model, tokens, hidden, target_head, k=self.k, max_starts=self.max_starts))
+        if self._pending:
+            return None
+        self.last, self.rounds = self._acc, self.rounds + 1
+        return self._acc

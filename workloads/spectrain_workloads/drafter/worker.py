@@ -1,0 +1,373 @@
+"""One drafter worker: follows one target rank's ring and trains in its idle windows.
+
+Loop: block on the ring's window channel (no spinning, so an idle drafter costs the target
+nothing); when a usable window is open, run tasks back to back, each only if the gate says it
+fits, checking for the window's end before every task; between windows copy fresh data out of
+the ring and do the housekeeping (heartbeat on the back channel, summary, checkpoints, picking
+up the target's rewritten embedding/head). The worker only reads target state.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from spectrain_workloads.drafter import export as ex
+from spectrain_workloads.drafter.combiner import (
+    OPTIM_KEY,
+    VERIFY_KEY,
+    BatchCombiner,
+    Sample,
+    SampleBuffer,
+    micro_key,
+)
+from spectrain_workloads.drafter.gating import UNIT_KEY, CostModel, Gate, WindowTracker
+from spectrain_workloads.drafter.metrics import NO_WINDOW, Metrics, write_summary
+from spectrain_workloads.drafter.models import load_target_shared, shared_stamp
+from spectrain_workloads.drafter.settings import DrafterSettings
+from spectrain_workloads.drafter.train import DrafterTrainer
+
+ALWAYS_SLICE_NS = 50_000_000     # policy Always: return to housekeeping this often
+WAIT_S = 0.05                    # longest block on the ring between housekeeping checks
+
+
+def _tensor(arr: np.ndarray, dtype: str | None) -> torch.Tensor:
+    t = torch.from_numpy(np.array(arr, copy=True))    # copy out of the shared slot
+    if dtype == "bfloat16" and t.dtype == torch.int16:
+        t = t.view(torch.bfloat16)                    # the ring carries bf16 as an int16 view
+    return t
+
+
+class Worker:
+    def __init__(self, *, settings: DrafterSettings, rank: int, ring_path: Path, run_dir: Path,
+                 export_dir: Path | None, device: torch.device, stop: threading.Event,
+                 memory_cap_bytes: int | None = None, ring_wait_s: float = 1.0) -> None:
+        self.s, self.rank, self.ring_path, self.run_dir = settings, rank, ring_path, run_dir
+        self.export_dir, self.device, self.stop = export_dir, device, stop
+        self.memory_cap_bytes = memory_cap_bytes
+        self.ring_wait_s = ring_wait_s
+        self.cost = CostModel()
+        self.tracker = WindowTracker()
+        self.gate = Gate(policy=settings.policy, kinds=settings.kinds, safety_margin_ms=settings.safety_margin_ms,
+                         min_window_ms=settings.min_window_ms, cost=self.cost, tracker=self.tracker)
+        self.buffer = SampleBuffer(max_bytes=int(settings.buffer_mb * 2**20), max_reuse=settings.max_reuse,
+                                   eval_every=settings.eval_every, eval_samples=settings.eval_samples)
+        self.combiner = BatchCombiner(max_micro_batch=settings.max_micro_batch,
+                                      samples_per_step=settings.samples_per_step, cost=self.cost)
+        self.metrics = Metrics(run_dir / "metrics" / f"drafter-rank-{rank}.jsonl", kinds=settings.kinds)
+        self.ckpt_root = ex.checkpoint_root(run_dir, rank)
+        self.trainer: DrafterTrainer | None = None
+        self.consumer: Any = None
+        self.state, self.reason = ("Disabled", "PolicyOff") if settings.policy == "Off" else ("Waiting", "NoRing")
+        self.version = 0
+        self.artifact = ""
+        self.steps_at_ckpt = 0
+        self.data_seen = 0
+        self._stamp: tuple[int, ...] | None = None
+        self._last: dict[str, float] = {}
+        self._last_verify = time.monotonic()
+        self.ready_ns = 1 << 62          # when the trainer was ready to work (monotonic ns)
+
+    # ------------------------------------------------------------ lifecycle
+    def run(self) -> int:
+        try:
+            self._set_state(self.state, self.reason)
+            if not self._open_ring():
+                return 0
+            if self.s.policy != "Off" and not self._setup_trainer():
+                return 0
+            while not self.stop.is_set():
+                did = self._work() if self.trainer is not None else False
+                if not did:
+                    events = self.consumer.wait_windows(timeout_s=WAIT_S)
+                    self._on_events(events)
+                    if any(not e.is_end for e in events) and self.trainer is not None:
+                        continue   # a window just opened: straight to work, housekeeping later
+                self._drain_data()
+                self._housekeeping()
+            return 0
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """SIGTERM (or end): flush a checkpoint if anything was learnt since the last one."""
+        try:
+            if self.trainer is not None and self.combiner.optimizer_steps > self.steps_at_ckpt:
+                self._checkpoint("shutdown")
+            self.metrics.flush_unwindowed()
+            self.reason = "Stopped"
+            self._publish()
+            self._summary()
+        finally:
+            self.metrics.close()
+            if self.consumer is not None:
+                self.consumer.close()
+
+    def _open_ring(self) -> bool:
+        from spectrain_workloads.ring import RingConsumer, RingError, RingVersionError
+
+        while not self.stop.is_set():
+            try:
+                # "oldest": windows still in the ring seed the per-kind history, data trains
+                self.consumer = RingConsumer.open(self.ring_path, timeout_s=self.ring_wait_s, start="oldest")
+                return True
+            except RingVersionError:
+                raise
+            except (RingError, TimeoutError, FileNotFoundError):
+                self._summary_every(1.0)
+        return False
+
+    def _setup_trainer(self) -> bool:
+        """Wait for the target's shared weights (pumping the ring meanwhile), build, resume, measure."""
+        self._set_state("Waiting", "NoTargetWeights")
+        shared = None
+        while shared is None and not self.stop.is_set():
+            shared = load_target_shared(self.run_dir)
+            if shared is None:
+                self._on_events(self.consumer.wait_windows(timeout_s=0.2))
+                self._drain_data()
+                self._housekeeping()
+        if shared is None:
+            return False
+        self._stamp = shared.stamp
+        t0 = time.monotonic_ns()
+        trainer = DrafterTrainer(self.s, shared, self.device)
+        resumed = ex.load_checkpoint(self.ckpt_root, trainer.model, trainer.optimizer)
+        ex.clean_temp(self.ckpt_root)
+        if resumed is not None:
+            self.version = int(resumed["version"])
+            self.combiner.load_state_dict(resumed.get("combiner", {}))
+            self.cost.load_state_dict(resumed.get("cost", {}))
+            self.tracker.load_state_dict(resumed.get("tracker", {}))
+            self.metrics.load_state_dict(resumed.get("metrics", {}))
+            self.steps_at_ckpt = self.combiner.optimizer_steps
+            self.artifact = resumed.get("artifact", "")
+        self._calibrate(trainer)
+        self.trainer = trainer
+        self.ready_ns = time.monotonic_ns()
+        self.metrics.log("setup", resumed_version=resumed and self.version, setup_ns=time.monotonic_ns() - t0,
+                         unit_ns=self.gate.unit_ns(), memory_cap_samples=self.combiner.memory_cap_samples)
+        self._set_state("Waiting", "NoData" if not self.buffer.trainable() else "NoWindow")
+        return True
+
+    def _calibrate(self, trainer: DrafterTrainer) -> None:
+        """Measure the unit of work (and the verification chunk) before the first window.
+
+        One-off setup outside windows, on synthetic data: the first call pays lazy
+        initialisation (allocator, kernels), so it is run and discarded before measuring.
+        """
+        length = min(self.s.seq_cap, trainer.target_cfg.max_seq_len)
+        cap = trainer.memory_cap_samples(self.memory_cap_bytes, length)
+        if cap is not None:
+            self.combiner.memory_cap_samples = min(self.combiner.memory_cap_samples, cap)
+        samples = trainer.synthetic_samples(1, length)
+        for i in range(4):
+            t0 = time.monotonic_ns()
+            trainer.micro_step(samples)
+            if i:
+                self.cost.observe(UNIT_KEY, time.monotonic_ns() - t0)
+        trainer.discard_grads()
+        for i in range(2):
+            trainer.begin_verify(samples)
+            t0 = time.monotonic_ns()
+            trainer.verify_chunk()
+            if i:
+                self.cost.observe(VERIFY_KEY, time.monotonic_ns() - t0)
+        trainer.verifier.last, trainer.verifier.rounds = None, 0
+
+    # ------------------------------------------------------------ ring input
+    def _on_events(self, events: list[Any]) -> None:
+        if not events:
+            return
+        unit = self.gate.unit_ns()
+        threshold = (unit or 0) + self.gate.margin_ns
+        for cw in self.tracker.update(events):
+            # Windows that began before the drafter could work feed the history, not the accounting.
+            if cw.start_ns >= self.ready_ns:
+                self.metrics.window_closed(cw, threshold)
+
+    def _drain_data(self, limit: int = 64) -> None:
+        for _ in range(limit):
+            rec = self.consumer.next_data()
+            if rec is None:
+                return
+            arrays, meta = rec.arrays, rec.meta
+            if "tokens" not in arrays:
+                continue
+            tokens = _tensor(arrays["tokens"], None).long()[: self.s.seq_cap]
+            hidden = _tensor(arrays["hidden"], meta.get("dtype"))[: self.s.seq_cap] if "hidden" in arrays else None
+            if not rec.valid():
+                continue   # overwritten while copying
+            sample = Sample(tokens=tokens, hidden=None if hidden is None else hidden.float(),
+                            step=int(meta.get("step", -1)))
+            if self.trainer is not None and not self.trainer.usable(sample):
+                continue
+            if tokens.numel() >= 4:
+                self.data_seen += 1
+                self.buffer.add(sample)
+
+    # ------------------------------------------------------------ work inside windows
+    def _next_task(self, budget_ns: int) -> tuple[str, Any, int | None, int] | None:
+        """(task, cost key, predicted cost, micro-batch) of the next task, or None when idle."""
+        if self.combiner.step_due():
+            return "optim", OPTIM_KEY, self.cost.estimate(OPTIM_KEY), 0
+        tr = self.trainer
+        assert tr is not None
+        due = time.monotonic() - self._last_verify >= self.s.verify_every_s and self.buffer.eval_fresh() > 0
+        if tr.verifier.in_progress or due:
+            return "verify", VERIFY_KEY, self.cost.estimate(VERIFY_KEY), 0
+        plan = self.combiner.plan(budget_ns, self.buffer.trainable())
+        if plan is None:
+            return None
+        return "train", micro_key(plan.micro_batch), plan.cost_ns, plan.micro_batch
+
+    def _work(self) -> bool:
+        """Run tasks while the gate allows; True if at least one ran."""
+        tr = self.trainer
+        assert tr is not None
+        if self.s.policy == "IdleOnly" and not self.tracker.open:
+            return False
+        entered, started, did = time.monotonic_ns(), set(), False
+        while not self.stop.is_set():
+            self._on_events(self.consumer.poll_windows())   # the end record stops us here
+            now = time.monotonic_ns()
+            budget = self.gate.budget(now)
+            wid = budget.window.window_id if budget.window else NO_WINDOW
+            task = self._next_task(budget.remaining_ns)
+            if task is None:
+                if not self.buffer.trainable() and self.state != "Waiting":
+                    self._set_state("Waiting", "NoData")
+                break
+            name, key, cost, b = task
+            if not self.gate.allows(budget, cost, starting=wid not in started):
+                break
+            if wid not in started and self.state != "Active":
+                self._set_state("Active", "")
+            started.add(wid)
+            loss: float | None = None
+            t0 = time.monotonic_ns()
+            if name == "train":
+                loss = tr.micro_step(self.buffer.take(b))
+                self.combiner.note_micro_step(b)
+            elif name == "optim":
+                tr.optimizer_step(self.combiner.accumulated)
+                self.combiner.note_optimizer_step()
+            else:
+                if not tr.verifier.in_progress:
+                    tr.begin_verify(self.buffer.eval_batch())
+                    self._last_verify = time.monotonic()
+                result = tr.verify_chunk()
+                if result is not None:
+                    self._acceptance(result.to_dict())
+            t1 = time.monotonic_ns()
+            self.cost.observe(key, t1 - t0)
+            kind = budget.window.kind if budget.window else "None"
+            self.metrics.task(wid, kind, name, t0, t1, samples=b, loss=loss)
+            did = True
+            if self.s.policy == "Always" and t1 - entered > ALWAYS_SLICE_NS:
+                break
+            self._drain_data(limit=4)
+        return did
+
+    def _acceptance(self, acc: dict[str, Any]) -> None:
+        self.metrics.acceptance = {**acc, "version": self.version,
+                                   "samples_trained": self.combiner.samples_trained}
+        self.metrics.log("acceptance", **self.metrics.acceptance)
+        self._publish()
+
+    # ------------------------------------------------------------ housekeeping (between windows)
+    def _due(self, name: str, every_s: float) -> bool:
+        now = time.monotonic()
+        if now - self._last.get(name, 0.0) >= every_s:
+            self._last[name] = now
+            return True
+        return False
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic_ns()
+        for w in self.tracker.expire(now):
+            self.metrics.window_lost(w.window_id)
+        if self.consumer is not None and self._due("alive", 0.5) and not self.consumer.producer_alive(max_age_s=2.0):
+            self.tracker.clear_open()   # the target is gone: its open windows are not idle time any more
+        if self._due("heartbeat", self.s.heartbeat_every_s):
+            self._publish()
+        if self.s.policy == "Always" and self._due("flush", 1.0):
+            self.metrics.flush_unwindowed()
+        self._summary_every(1.0)
+        if self.trainer is None:
+            return
+        if self._due("target", 2.0):
+            stamp = shared_stamp(self.run_dir)
+            if stamp is not None and stamp != self._stamp:
+                shared = load_target_shared(self.run_dir)
+                if shared is not None:
+                    self.trainer.refresh_target(shared)
+                    self._stamp = shared.stamp
+        if (self.combiner.optimizer_steps > self.steps_at_ckpt
+                and self._due("checkpoint", self.s.checkpoint_every_s)):
+            self._checkpoint("periodic")
+
+    def _checkpoint(self, why: str) -> None:
+        tr = self.trainer
+        assert tr is not None
+        self.version += 1
+        t0 = time.monotonic_ns()
+        meta = {"preset": self.s.preset, "rank": self.rank, "target_model_config_digest": tr.target_digest,
+                "target_model_config": tr.target_cfg.to_dict(), "samples_trained": self.combiner.samples_trained,
+                "optimizer_steps": self.combiner.optimizer_steps, "acceptance": self.metrics.acceptance,
+                "loss_weights": {"hidden": self.s.hidden_loss_weight, "ce": self.s.ce_loss_weight}}
+        if self.export_dir is not None:
+            self.artifact = str(ex.export_drafter(self.export_dir, self.version, tr.model, meta))
+        state = {"settings": self.s.to_dict(), "combiner": self.combiner.state_dict(),
+                 "cost": self.cost.state_dict(), "tracker": self.tracker.state_dict(),
+                 "metrics": self.metrics.state_dict(), "artifact": self.artifact, **tr.state_dict(), **meta}
+        path = ex.save_checkpoint(self.ckpt_root, self.version, tr.model, tr.optimizer, state,
+                                  keep=self.s.keep_checkpoints)
+        self.steps_at_ckpt = self.combiner.optimizer_steps
+        self.metrics.log("checkpoint", version=self.version, path=str(path), artifact=self.artifact, why=why,
+                         write_ns=time.monotonic_ns() - t0, optimizer_steps=self.combiner.optimizer_steps)
+        self._publish()
+
+    # ------------------------------------------------------------ reporting
+    def _set_state(self, state: str, reason: str) -> None:
+        if (state, reason) != (self.state, self.reason) or not self._last.get("state_logged"):
+            self.metrics.log("state", state=state, reason=reason)
+            self._last["state_logged"] = 1.0
+        self.state, self.reason = state, reason
+
+    def _publish(self) -> None:
+        if self.consumer is None:
+            return
+        acc = self.metrics.acceptance or {}
+        self.consumer.publish_back({"state": self.state, "reason": self.reason, "version": self.version,
+                                    "path": self.artifact, "acceptance": acc.get("acceptance_length"),
+                                    "top1": acc.get("top1"), "pid": os.getpid()})
+
+    def _summary_every(self, every_s: float) -> None:
+        if self._due("summary", every_s):
+            self._summary()
+
+    def summary(self) -> dict[str, Any]:
+        costs = {f"{k[0]}/{k[1]}" if isinstance(k, tuple) else str(k): (self.cost.estimate(k) or 0) / 1e6
+                 for k in self.cost.keys()}
+        unit = self.gate.unit_ns()
+        return {
+            **self.metrics.summary(), "state": self.state, "reason": self.reason, "version": self.version,
+            "artifact": self.artifact, "arch": self.s.arch, "policy": self.s.policy,
+            "unitMs": None if unit is None else unit / 1e6, "costsMs": costs,
+            "samplesTrained": self.combiner.samples_trained, "optimizerSteps": self.combiner.optimizer_steps,
+            "microSteps": self.combiner.micro_steps, "dataReceived": self.data_seen,
+            "dataDropped": getattr(self.consumer, "data_dropped", 0),
+            "windowsMissed": getattr(self.consumer, "windows_missed", 0),
+            "mpsActiveThreadPercentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+            "updatedAt": time.time(),
+        }
+
+    def _summary(self) -> None:
+        write_summary(self.run_dir, self.rank, self.summary())

@@ -1,0 +1,262 @@
+"""Idle-window publishing for the target: Bubble, Communication and Imbalance windows.
+
+- Bubble: pre-scheduled. The pipeline executor opens a BUBBLE slot of the schedule (schedule.py)
+  right after the previous action ends, before it blocks on the receive that ends the bubble. The
+  prediction is the schedule simulated with the EMA of this stage's measured forward/backward
+  times (`record_compute`).
+- Communication: opened when a collective is launched (DDP bucket all-reduce in the comm hook,
+  pipeline isend, a pipeline receive the stage has to wait for), predicted as bytes / bandwidth
+  EMA, closed on completion. The EMA is kept per (channel, bytes), so a bucket's own history
+  predicts it (latency-dominated small messages included).
+- Imbalance: reactive and open-ended (predicted 0). Waiting is told from communicating by local
+  timestamps only, no extra collective: when a rank reaches a sync point (its compute for the step
+  is done, or it needs a tensor a peer has not sent), the transfers it still waits for are
+  expected to end at `expected_comm_end()` (the outstanding windows' starts + predictions, run
+  back to back). A watchdog thread is armed for that moment plus a slack; if the rank is still
+  blocked then, the rest of the wait is a peer's lateness, and the Imbalance window opens at once.
+  `sync_end()` closes it. Communication samples that overlapped an Imbalance window are not fed
+  to the bandwidth EMA (they measured the peer, not the link); others are clamped to [1/2, 2] x
+  the prediction so one noisy sample cannot swing it.
+
+Everything here only reads clocks and writes the ring / metrics: it never touches tensors, so
+training with instrumentation on and off is bitwise identical. `enabled=False` turns every call
+into a cheap no-op (returns None).
+
+Thread safety: windows are opened/closed from the training thread, the gloo completion thread
+(comm hook callbacks), the send-completion thread and the watchdog; one lock serialises them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+BUBBLE, COMMUNICATION, IMBALANCE = "Bubble", "Communication", "Imbalance"
+_RING_KIND = {BUBBLE: 1, COMMUNICATION: 2, IMBALANCE: 3}   # spectrain_workloads.ring.WindowKind values
+
+
+@dataclass(kw_only=True, frozen=True)
+class InstrumentOptions:
+    enabled: bool = True
+    ema_alpha: float = 0.3
+    imbalance_min_ns: int = 5_000_000      # slack past the expected end of comm before "waiting"
+    default_bytes_per_ns: float = 1.0      # 1 GB/s until a channel has been measured
+
+
+@dataclass
+class Window:
+    kind: str
+    start_ns: int
+    predicted_ns: int
+    step: int
+    channel: str = ""
+    nbytes: int = 0
+    ring_id: int = 0
+    local_id: int = 0
+    imb_epoch: int = 0
+
+
+class Instrument:
+    """One per rank. `producer`: a RingProducer or None (metrics only); `sink(record)` receives
+    every closed window as the dict written to metrics/windows-rank-<r>.jsonl."""
+
+    def __init__(self, *, rank: int, stage: int, opts: InstrumentOptions, producer: Any = None,
+                 sink: Callable[[dict[str, Any]], None] | None = None,
+                 producer_lock: threading.Lock | None = None) -> None:
+        self.rank, self.stage, self.opts = rank, stage, opts
+        self.enabled = opts.enabled
+        self.producer = producer
+        self.sink = sink
+        self.step = 0
+        self._lock = producer_lock or threading.Lock()
+        self._next_local = 0
+        self._tf: float | None = None    # EMA forward ns per microbatch
+        self._tb: float | None = None    # EMA backward ns per microbatch
+        self._bw: dict[tuple[str, int], float] = {}   # (channel, bytes) -> bytes per ns
+        self._outstanding: dict[int, Window] = {}     # open comm windows by local id
+        self._imb_epoch = 0
+        self._imbalance: Window | None = None
+        self._watch: _Watchdog | None = None
+        if self.enabled:
+            self._watch = _Watchdog(self._fire_imbalance)
+            self._watch.start()
+
+    # -- compute EMA ----------------------------------------------------------------------------
+    def record_compute(self, op: str, ns: int) -> None:
+        if not self.enabled:
+            return
+        a = self.opts.ema_alpha
+        if op == "F":
+            self._tf = ns if self._tf is None else (1 - a) * self._tf + a * ns
+        else:
+            self._tb = ns if self._tb is None else (1 - a) * self._tb + a * ns
+
+    @property
+    def compute_ema_ns(self) -> tuple[float, float] | None:
+        """(tf, tb) EMA in ns, or None before both have been measured."""
+        if self._tf is None or self._tb is None:
+            return None
+        return self._tf, self._tb
+
+    # -- windows --------------------------------------------------------------------------------
+    def _open(self, kind: str, predicted_ns: int, *, channel: str = "", nbytes: int = 0) -> Window:
+        with self._lock:
+            now = time.monotonic_ns()
+            self._next_local += 1
+            w = Window(kind=kind, start_ns=now, predicted_ns=max(0, int(predicted_ns)), step=self.step,
+                       channel=channel, nbytes=nbytes, local_id=self._next_local, imb_epoch=self._imb_epoch)
+            if self.producer is not None:
+                w.ring_id = self.producer.window_start(_RING_KIND[kind], stage=self.stage, step=w.step,
+                                                       predicted_duration_ns=w.predicted_ns, start_ns=now)
+            return w
+
+    def _close(self, w: Window, end_ns: int | None = None) -> dict[str, Any]:
+        with self._lock:
+            end = time.monotonic_ns() if end_ns is None else end_ns
+            actual = max(0, end - w.start_ns)
+            if self.producer is not None:
+                self.producer.window_end(w.ring_id, actual_duration_ns=actual)
+            rec = {"window_id": w.ring_id or w.local_id, "kind": w.kind, "stage": self.stage, "step": w.step,
+                   "start_ns": w.start_ns, "predicted_ns": w.predicted_ns, "actual_ns": actual}
+            if w.channel:
+                rec["channel"], rec["bytes"] = w.channel, w.nbytes
+        if self.sink is not None:
+            self.sink(rec)
+        return rec
+
+    # -- bubble ---------------------------------------------------------------------------------
+    def bubble_open(self, predicted_ns: float) -> Window | None:
+        """Open a scheduled bubble (predicted 0 until the stage has F/B measurements)."""
+        if not self.enabled:
+            return None
+        return self._open(BUBBLE, int(predicted_ns))
+
+    def bubble_close(self, w: Window | None) -> None:
+        if w is not None:
+            self._close(w)
+
+    # -- communication --------------------------------------------------------------------------
+    def predict_comm_ns(self, channel: str, nbytes: int) -> int:
+        bw = self._bw.get((channel, nbytes), self.opts.default_bytes_per_ns)
+        return max(1, int(nbytes / bw))
+
+    def comm_open(self, channel: str, nbytes: int) -> Window | None:
+        if not self.enabled:
+            return None
+        w = self._open(COMMUNICATION, self.predict_comm_ns(channel, nbytes), channel=channel, nbytes=nbytes)
+        with self._lock:
+            self._outstanding[w.local_id] = w
+        return w
+
+    def comm_close(self, w: Window | None, end_ns: int | None = None) -> None:
+        if w is None:
+            return
+        with self._lock:
+            self._outstanding.pop(w.local_id, None)
+            contaminated = w.imb_epoch != self._imb_epoch or self._imbalance is not None
+        rec = self._close(w, end_ns)
+        if contaminated or rec["actual_ns"] <= 0:
+            return
+        key = (w.channel, w.nbytes)
+        a = self.opts.ema_alpha
+        sample = w.nbytes / rec["actual_ns"]
+        with self._lock:
+            old = self._bw.get(key)
+            if old is None:
+                self._bw[key] = sample
+            else:
+                sample = min(max(sample, old / 2), old * 2)
+                self._bw[key] = (1 - a) * old + a * sample
+
+    def expected_comm_end(self, now: int | None = None) -> tuple[int, int]:
+        """(expected end ns of the outstanding transfers run back to back, their summed predictions)."""
+        now = time.monotonic_ns() if now is None else now
+        with self._lock:
+            ws = sorted(self._outstanding.values(), key=lambda w: w.start_ns)
+        end, total = 0, 0
+        for w in ws:
+            end = max(end, w.start_ns) + w.predicted_ns
+            total += w.predicted_ns
+        return max(end, now), total
+
+    # -- sync points / imbalance ----------------------------------------------------------------
+    def sync_begin(self, extra_pred_ns: int = 0) -> None:
+        """The rank has reached a sync point and is about to block on outstanding transfers."""
+        if self._watch is None:
+            return
+        now = time.monotonic_ns()
+        end, total = self.expected_comm_end(now)
+        end += extra_pred_ns
+        total += extra_pred_ns
+        self._watch.arm(end + max(self.opts.imbalance_min_ns, total // 2))
+
+    def sync_end(self) -> None:
+        """The wait is over: close the Imbalance window if the watchdog opened one."""
+        if self._watch is None:
+            return
+        self._watch.disarm()
+        with self._lock:
+            w, self._imbalance = self._imbalance, None
+        if w is not None:
+            self._close(w)
+
+    def _fire_imbalance(self) -> None:
+        w = self._open(IMBALANCE, 0)
+        with self._lock:
+            self._imb_epoch += 1
+            self._imbalance = w
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+        with self._lock:
+            open_ws = list(self._outstanding.values())
+            self._outstanding.clear()
+        for w in open_ws:
+            self._close(w)
+        self.sync_end()
+
+
+class _Watchdog(threading.Thread):
+    """Fires `fire()` once when an armed deadline passes before `disarm()`."""
+
+    def __init__(self, fire: Callable[[], None]) -> None:
+        super().__init__(name="spectrain-imbalance-watchdog", daemon=True)
+        self._fire = fire
+        self._cond = threading.Condition()
+        self._deadline: int | None = None
+        self._stopped = False
+
+    def arm(self, deadline_ns: int) -> None:
+        with self._cond:
+            self._deadline = deadline_ns
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._deadline = None
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        with self._cond:
+            while not self._stopped:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic_ns()
+                if left > 0:
+                    self._cond.wait(left / 1e9)
+                    continue
+                self._deadline = None
+                # Open the window while holding the condition: disarm() cannot slip between the
+                # deadline check and the window, so sync_end() always sees and closes it.
+                self._fire()

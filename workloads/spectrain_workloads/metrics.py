@@ -1,0 +1,143 @@
+"""Target metrics: JSON lines in the run dir, a Prometheus endpoint, and rank 0's progress.
+
+- `metrics/target-rank-<r>.jsonl`: one line per step: {step, loss, step_time_s, tokens_per_s,
+  idle_s_by_kind, windows_by_kind, pred_error_median_by_kind, time_ns}.
+- `metrics/windows-rank-<r>.jsonl`: one line per closed window (instrument.py's record:
+  {window_id, kind, stage, step, start_ns, predicted_ns, actual_ns[, channel, bytes]}).
+- Prometheus (prometheus-client) on SPECTRAIN_METRICS_PORT + local rank when the port is > 0.
+- progress: rank 0 calls `spectrain_workloads.podstatus.report_progress(dict)`; until that module
+  exists, `write_progress` writes `progress.json` atomically itself (same shape).
+
+Windows close on other threads (gloo completion, watchdog); `window_closed` only appends to a
+list under a lock, and the training thread writes the files at the end of each step.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from spectrain_workloads.checkpoint import atomic_write
+
+KINDS = ("Bubble", "Communication", "Imbalance")
+
+
+def relative_error(rec: dict[str, Any]) -> float | None:
+    """|predicted - actual| / actual, None for open-ended (predicted 0) or zero-length windows."""
+    if rec["predicted_ns"] <= 0 or rec["actual_ns"] <= 0:
+        return None
+    return abs(rec["predicted_ns"] - rec["actual_ns"]) / rec["actual_ns"]
+
+
+def write_progress(run_dir: str | Path, progress: dict[str, Any]) -> None:
+    """Report progress for status.progress: podstatus when present, else progress.json directly."""
+    try:
+        from spectrain_workloads.podstatus import report_progress  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        path = Path(run_dir) / "progress.json"
+        atomic_write(path, lambda p: p.write_text(json.dumps(progress)))
+        return
+    report_progress(progress)
+
+
+class _Prometheus:
+    def __init__(self, port: int, rank: int) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+        reg = CollectorRegistry()
+        lab = {"rank": str(rank)}
+        self.step = Gauge("spectrain_target_step", "last completed training step", ["rank"], registry=reg).labels(**lab)
+        self.loss = Gauge("spectrain_target_loss", "training loss of the last step", ["rank"], registry=reg).labels(**lab)
+        self.step_time = Gauge("spectrain_target_step_seconds", "wall time of the last step", ["rank"],
+                               registry=reg).labels(**lab)
+        self.tps = Gauge("spectrain_target_tokens_per_second", "tokens per second of the last step", ["rank"],
+                         registry=reg).labels(**lab)
+        self.idle = Counter("spectrain_target_idle_seconds", "idle time by window kind", ["rank", "kind"],
+                            registry=reg)
+        self.windows = Counter("spectrain_target_windows", "closed idle windows by kind", ["rank", "kind"],
+                               registry=reg)
+        self.pred_err = Gauge("spectrain_target_prediction_error", "median relative prediction error, last step",
+                              ["rank", "kind"], registry=reg)
+        self.rank = str(rank)
+        self.server = start_http_server(port, registry=reg)
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str | Path, rank: int, *, local_rank: int = 0, port: int = 0,
+                 progress: bool = False, total_steps: int = 0) -> None:
+        self.run_dir = Path(run_dir)
+        mdir = self.run_dir / "metrics"
+        mdir.mkdir(parents=True, exist_ok=True)
+        self._steps_f = open(mdir / f"target-rank-{rank}.jsonl", "a", buffering=1)
+        self._win_f = open(mdir / f"windows-rank-{rank}.jsonl", "a")
+        self.progress = progress
+        self.total_steps = total_steps
+        self._lock = threading.Lock()
+        self._pending: list[dict[str, Any]] = []
+        self.progress_interval_s = 1.0      # progress.json is fsynced; once a second is plenty
+        self._last_progress = -1e9
+        self.prom = _Prometheus(port + local_rank, rank) if port > 0 else None
+
+    def window_closed(self, rec: dict[str, Any]) -> None:
+        with self._lock:
+            self._pending.append(rec)
+
+    def _take_windows(self) -> list[dict[str, Any]]:
+        with self._lock:
+            out, self._pending = self._pending, []
+        return out
+
+    def step(self, *, step: int, loss: float | None, step_time_s: float, tokens: int,
+             extra: dict[str, Any] | None = None, final: bool = False) -> dict[str, Any]:
+        wins = self._take_windows()
+        for w in wins:
+            self._win_f.write(json.dumps(w) + "\n")
+        self._win_f.flush()
+        idle = {k: 0.0 for k in KINDS}
+        count = {k: 0 for k in KINDS}
+        errs: dict[str, list[float]] = {k: [] for k in KINDS}
+        for w in wins:   # kinds outside KINDS (RolloutTail, from rl.py) are counted too
+            idle[w["kind"]] = idle.get(w["kind"], 0.0) + w["actual_ns"] / 1e9
+            count[w["kind"]] = count.get(w["kind"], 0) + 1
+            e = relative_error(w)
+            if e is not None:
+                errs.setdefault(w["kind"], []).append(e)
+        tps = tokens / step_time_s if step_time_s > 0 else 0.0
+        line = {"step": step, "loss": loss, "step_time_s": step_time_s, "tokens_per_s": tps,
+                "idle_s_by_kind": idle, "windows_by_kind": count,
+                "pred_error_median_by_kind": {k: statistics.median(v) for k, v in errs.items() if v},
+                "time_ns": time.monotonic_ns(), **(extra or {})}
+        self._steps_f.write(json.dumps(line) + "\n")
+        if self.prom is not None:
+            p = self.prom
+            p.step.set(step)
+            if loss is not None:
+                p.loss.set(loss)
+            p.step_time.set(step_time_s)
+            p.tps.set(tps)
+            for k in KINDS:
+                p.idle.labels(rank=p.rank, kind=k).inc(idle[k])
+                p.windows.labels(rank=p.rank, kind=k).inc(count[k])
+                if errs[k]:
+                    p.pred_err.labels(rank=p.rank, kind=k).set(statistics.median(errs[k]))
+        now = time.monotonic()
+        if self.progress and (final or now - self._last_progress >= self.progress_interval_s):
+            self._last_progress = now
+            write_progress(self.run_dir, {
+                "step": step, "totalSteps": self.total_steps, "loss": loss, "tokensPerSecond": tps,
+                "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        return line
+
+    def close(self) -> None:
+        for w in self._take_windows():
+            self._win_f.write(json.dumps(w) + "\n")
+        self._win_f.close()
+        self._steps_f.close()
+        if self.prom is not None:
+            server = self.prom.server
+            if isinstance(server, tuple):       # prometheus-client >= 0.19: (server, thread)
+                server[0].shutdown()

@@ -1,0 +1,504 @@
+"""Batched rollout engine: KV-cached generation for a target and (optionally) a drafter.
+
+Layout. Every row keeps its own length; the models run with per-row positions `pos` [B, T], so rows
+of different lengths share one forward and a row's cache slots [0, len) are always its committed
+tokens. A row's newest token is *pending*: the target has processed tokens [0, len-1) and the next
+forward feeds token len-1 (plain: alone; speculative: followed by k drafts). Padding entries (rows
+already finished, ragged catch-up chunks) go to a trash slot (the cache's last slot) that no real
+query can see. Rows that finish are dropped by compacting the batch to a power-of-two bucket, in place
+in the first rows of the buffers, so CUDA graphs captured per bucket keep their addresses.
+
+Drafter sync is lazy: the engine tracks per row how many committed tokens the drafter has consumed
+(`dlen`). A speculative step first feeds only the missing suffix [dlen, len) in one forward (one or two
+tokens in steady state; the tokens decoded plainly since the drafter was last used after switching
+on), so turning speculation on mid-rollout never recomputes a prefix. The Eagle drafter reads the
+target's hidden states from `hid`, which every target forward fills anyway (and which the RL loop
+publishes for drafter training, so no extra prefill anywhere).
+
+Adaptive: `DraftController` picks k in {0 (plain)} U arms per step, keyed by the physical batch
+bucket; reward = expected committed tokens x batch / measured step time; off above batch_threshold.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.model import KVCache, Transformer, causal_decode_mask
+from spectrain_workloads.specdec import AcceptRule, Sampling, pick, rejection_rule, speculative_step, to_probs
+from spectrain_workloads.tokenizer import ByteTokenizer
+
+STRATEGIES = ("Bandit", "Fixed")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    max_new_tokens: int = 64
+    temperature: float = 1.0            # 0: greedy
+    top_p: float = 1.0
+    eos_id: int | None = ByteTokenizer.EOS
+    speculative: bool = True
+    max_draft_tokens: int = 8
+    batch_threshold: int = 32           # speculative only while the active batch is <= this
+    strategy: str = "Bandit"            # Bandit: adaptive k per bucket; Fixed: k = max_draft_tokens
+    cuda_graphs: bool = True            # only used on CUDA
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"rl.maxNewTokens must be >= 1, got {self.max_new_tokens}")
+        if not 1 <= self.max_draft_tokens <= 32:
+            raise ConfigError(f"rl.speculative.maxDraftTokens must be in 1..32, got {self.max_draft_tokens}")
+        if self.batch_threshold < 0:
+            raise ConfigError(f"rl.speculative.batchThreshold must be >= 0, got {self.batch_threshold}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"rl.speculative.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        Sampling(temperature=self.temperature, top_p=self.top_p)   # validates both
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(temperature=self.temperature, top_p=self.top_p)
+
+    @classmethod
+    def from_rl(cls, rl: Any, **overrides: Any) -> RolloutConfig:
+        """From `JobConfig.target.rl` (config.RLSpec)."""
+        sp = rl.speculative
+        return cls(**{"max_new_tokens": rl.max_new_tokens, "temperature": rl.temperature,
+                      "speculative": sp.enabled, "max_draft_tokens": sp.max_draft_tokens,
+                      "batch_threshold": sp.batch_threshold, "strategy": sp.strategy, **overrides})
+
+
+# ----------------------------------------------------------------------------------------- drafters
+
+class DraftAdapter:
+    """The engine's view of a drafter. An entry at cache position t consumes token x_{t+offset}."""
+
+    offset = 0
+    keeps_drafts = True        # entries fed with draft tokens stay valid once those tokens are accepted
+    needs_hidden = False
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def setup_caches(self, batch: int, max_len: int) -> None:
+        self.module.setup_caches(batch, max_len)  # type: ignore[operator]
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor | None, pos: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+
+class LMDraft(DraftAdapter):
+    """A small model.Transformer: entry t is token x_t."""
+
+    def forward(self, tokens, hidden, pos, mask):  # type: ignore[no-untyped-def]
+        return self.module(tokens, pos, mask), None
+
+
+class EagleDraft(DraftAdapter):
+    """contracts.md Eagle head: entry t is (x_{t+1}, h_t) -> (logits for x_{t+2}, predicted h_{t+1}).
+
+    Entries fed with a predicted hidden are never kept: the next step re-feeds them with the
+    target's true hidden states (as EAGLE does)."""
+
+    offset, keeps_drafts, needs_hidden = 1, False, True
+
+    def forward(self, tokens, hidden, pos, mask):  # type: ignore[no-untyped-def]
+        return self.module(tokens, hidden, pos, mask)
+
+
+def as_drafter(drafter: nn.Module | DraftAdapter, arch: str | None = None) -> DraftAdapter:
+    """Wrap a drafter module; arch "LM" | "Eagle" (default: LM for a model.Transformer, else Eagle)."""
+    if isinstance(drafter, DraftAdapter):
+        return drafter
+    arch = arch or ("LM" if isinstance(drafter, Transformer) else "Eagle")
+    if arch not in ("LM", "Eagle"):
+        raise ConfigError(f"drafter.arch must be Eagle or LM, got {arch!r}")
+    return LMDraft(drafter) if arch == "LM" else EagleDraft(drafter)
+
+
+# --------------------------------------------------------------------------------------- controller
+
+class DraftController:
+    """Chooses the draft length per decode step (0 = plain), keyed by the physical batch bucket.
+
+    A bandit over arms k with reward E[tokens | k] x batch / step time: E[tokens | k] =
+    (1 - a^(k+1)) / (1 - a) from the drafter's running per-token acceptance a; step times are measured
+    per (bucket, k). An arm never tried is valued by an optimistic cost model built from measured
+    forward times keyed by tokens per forward (target: bucket x (k+1); drafter: bucket), using
+    monotonicity (a forward over more tokens is no faster), so an arm is tried only while it could
+    win. Plain steps at large batch thus also price verification at smaller batch.
+    """
+
+    ARMS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+    def __init__(self, *, max_draft: int, batch_threshold: int, strategy: str, ema: float = 0.3,
+                 prior_alpha: float = 0.6, prior_trials: float = 4.0) -> None:
+        self.max_draft, self.batch_threshold, self.strategy, self.ema = max_draft, batch_threshold, strategy, ema
+        self.arms = sorted({k for k in self.ARMS if k <= max_draft} | {max_draft})
+        self.step_s: dict[tuple[int, int], float] = {}     # (bucket, k) -> EMA seconds per decode step
+        self.fwd_s: dict[str, dict[int, float]] = {"target": {}, "draft": {}}   # tokens -> EMA seconds
+        self.prior = (prior_alpha * prior_trials, prior_trials)
+        self.reset_acceptance()
+
+    def reset_acceptance(self) -> None:
+        self.accepted, self.trials = self.prior
+
+    @property
+    def alpha(self) -> float:
+        return min(self.accepted / self.trials, 0.999)
+
+    def expected_tokens(self, k: int) -> float:
+        a = self.alpha
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def choose(self, bucket: int, n_active: int, can_draft: bool) -> int:
+        if not can_draft or n_active > self.batch_threshold:
+            return 0
+        if self.strategy == "Fixed":
+            return self.max_draft
+        if (bucket, 0) not in self.step_s:
+            return 0
+        values = {k: self.expected_tokens(k) / max(self._step_estimate(bucket, k), 1e-9)
+                  for k in [0, *self.arms]}
+        return max(values, key=lambda k: (values[k], -k))
+
+    def _step_estimate(self, bucket: int, k: int) -> float:
+        if (bucket, k) in self.step_s:
+            return self.step_s[(bucket, k)]
+        return self._fwd("target", bucket * (k + 1)) + k * self._fwd("draft", bucket)
+
+    def _fwd(self, kind: str, n: int) -> float:
+        table = self.fwd_s[kind]
+        below = [t for m, t in table.items() if m <= n]
+        return max(below) if below else min(table.values(), default=0.0)
+
+    def _update(self, table: dict[Any, float], key: Any, seconds: float) -> None:
+        table[key] = seconds if key not in table else (1 - self.ema) * table[key] + self.ema * seconds
+
+    def record_step(self, bucket: int, k: int, seconds: float) -> None:
+        self._update(self.step_s, (bucket, k), seconds)
+
+    def record_forward(self, kind: str, n_tokens: int, seconds: float) -> None:
+        self._update(self.fwd_s[kind], n_tokens, seconds)
+
+    def record_acceptance(self, n_accepted: torch.Tensor, k: int) -> None:
+        """n_accepted [n]: accepted prefix per active row; a row with n < k saw n + 1 trials."""
+        acc = int(n_accepted.sum())
+        self.accepted += acc
+        self.trials += acc + int((n_accepted < k).sum())
+
+
+# ------------------------------------------------------------------------------------------- engine
+
+@dataclass
+class RolloutStats:
+    decode_steps: int = 0
+    spec_steps: int = 0
+    verified_rows: int = 0      # row-verifications (one per active row per speculative step)
+    accepted: int = 0           # draft tokens accepted
+    drafted: int = 0
+    committed: int = 0          # generated tokens
+    seconds: float = 0.0
+    trace: list[tuple[int, int, int]] = field(default_factory=list)   # (n_active, bucket, k) per step
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per row-verification (accepted drafts + the target's token)."""
+        return (self.accepted + self.verified_rows) / self.verified_rows if self.verified_rows else 0.0
+
+
+@dataclass
+class RolloutResult:
+    sequences: list[list[int]]          # per row: prompt + response (EOS included when emitted)
+    prompt_lens: list[int]
+    hidden: list[torch.Tensor | None]   # per row [len-1, H]: target final-norm hidden at positions 0..len-2
+    stats: RolloutStats
+
+    @property
+    def responses(self) -> list[list[int]]:
+        return [s[p:] for s, p in zip(self.sequences, self.prompt_lens, strict=False)]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class _CudaGraphs:
+    """Decode-step forwards captured per (kind, bucket, T) on CUDA; every graph shares one memory pool.
+
+    Outputs are cloned right after replay, so graphs may replay in any order."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]] = {}
+
+    def run(self, key: Any, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
+        if key not in self.graphs:
+            static = [x.clone() for x in inputs]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):   # warm-up (same inputs: rewrites identical cache entries)
+                fn(*static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = fn(*static)
+            self.graphs[key] = (graph, static, out)
+        graph, static, out = self.graphs[key]
+        for dst, src in zip(static, inputs, strict=False):
+            dst.copy_(src)
+        graph.replay()
+        return tuple(o.clone() if o is not None else None for o in out)
+
+    def drop(self, kind: str) -> None:
+        self.graphs = {k: v for k, v in self.graphs.items() if k[0] != kind}
+
+
+class RolloutEngine:
+    """generate(prompts) with the target alone (plain) or with a drafter (speculative, adaptive).
+
+    The same module may be trained between rollouts (RL): caches are re-set up per rollout batch
+    and training forwards (pos=None) ignore them.
+    """
+
+    def __init__(self, target: Transformer, cfg: RolloutConfig, drafter: nn.Module | DraftAdapter | None = None,
+                 *, drafter_arch: str | None = None, rule: AcceptRule = rejection_rule) -> None:
+        self.target, self.cfg, self.rule = target, cfg, rule
+        self.device = target.rope.device
+        self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.controller = DraftController(max_draft=cfg.max_draft_tokens, batch_threshold=cfg.batch_threshold,
+                                          strategy=cfg.strategy)
+        self.graphs = _CudaGraphs() if cfg.cuda_graphs and self.device.type == "cuda" else None
+        self.drafter: DraftAdapter | None = None
+        self._alloc: tuple[int, int] = (0, 0)            # (batch, cache_len) the caches were set up for
+        self.set_drafter(drafter, drafter_arch)
+
+    def set_drafter(self, drafter: nn.Module | DraftAdapter | None, arch: str | None = None) -> None:
+        """Swap the drafter (e.g. a newer exported version); acceptance statistics start over."""
+        self.drafter = as_drafter(drafter, arch) if drafter is not None else None
+        self.controller.reset_acceptance()
+        self._alloc = (0, 0)
+        if self.graphs is not None:
+            self.graphs.drop("d")
+
+    # ---- buffers: base tensors allocated once per (batch, cache_len); the live batch is a prefix view
+    def _setup(self, batch: int, cache_len: int) -> None:
+        if batch > self._alloc[0] or cache_len > self._alloc[1]:
+            if cache_len > self.target.cfg.max_seq_len:
+                raise ConfigError(
+                    f"prompt + rl.maxNewTokens + maxDraftTokens + 2 = {cache_len} exceeds the model's "
+                    f"max_seq_len {self.target.cfg.max_seq_len}; lower rl.maxNewTokens or raise max_seq_len")
+            self.target.setup_caches(batch, cache_len)
+            if self.drafter is not None:
+                self.drafter.setup_caches(batch, cache_len)
+            self._alloc = (batch, cache_len)
+            if self.graphs is not None:
+                self.graphs = _CudaGraphs()
+            mods = [self.target] + ([self.drafter.module] if self.drafter is not None else [])
+            self._kv = [m for mod in mods for m in mod.modules() if isinstance(m, KVCache)]
+            self._kv_base = [(kv.k, kv.v) for kv in self._kv]
+            H, dt = self.target.cfg.dim, next(self.target.parameters()).dtype
+            self._tok_base = torch.zeros(batch, cache_len, dtype=torch.long, device=self.device)
+            self._hid_base = torch.zeros(batch, cache_len, H, dtype=dt, device=self.device)
+        self._view(batch)
+
+    def _view(self, nb: int) -> None:
+        for kv, (k, v) in zip(self._kv, self._kv_base, strict=False):
+            kv.k, kv.v = k[:nb], v[:nb]
+        self.tok, self.hid = self._tok_base[:nb], self._hid_base[:nb]
+        self.nb = nb
+
+    def _compact(self, keep: torch.Tensor) -> None:
+        """Move rows `keep` [m] (slot indices, actives first) to slots 0..m-1 and shrink the view to m."""
+        m = keep.numel()
+        for k, v in self._kv_base:
+            k[:m] = k[keep]
+            v[:m] = v[keep]
+        self._tok_base[:m] = self._tok_base[keep]
+        self._hid_base[:m] = self._hid_base[keep]
+        for name in ("length", "dlen", "limit", "active", "row"):
+            setattr(self, name, getattr(self, name)[keep])
+        self._view(m)
+
+    # ---- forwards
+    def _timed(self, kind: str, n_tokens: int, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        out = fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.controller.record_forward(kind, n_tokens, time.perf_counter() - t0)
+        return out
+
+    def _target_fwd(self, tokens: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def fn(tokens: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.target(tokens, pos, causal_decode_mask(pos, self.cache_len), return_hidden=True)
+        if self.graphs is not None:
+            return self._timed("target", tokens.numel(), lambda: self.graphs.run(("t", *tokens.shape), fn, tokens, pos))
+        return self._timed("target", tokens.numel(), lambda: fn(tokens, pos))
+
+    def _draft_fwd(self, tokens: torch.Tensor, hidden: torch.Tensor | None, pos: torch.Tensor,
+                   graph: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert self.drafter is not None
+        d = self.drafter
+
+        def fn(tokens: torch.Tensor, pos: torch.Tensor, *hidden: torch.Tensor) -> Any:
+            return d.forward(tokens, hidden[0] if hidden else None, pos, causal_decode_mask(pos, self.cache_len))
+        args = (tokens, pos) + ((hidden,) if hidden is not None else ())
+        if self.graphs is not None and graph:
+            return self._timed("draft", tokens.numel(), lambda: self.graphs.run(("d", *tokens.shape), fn, *args))
+        return self._timed("draft", tokens.numel(), lambda: fn(*args))
+
+    def _verify(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [nb, T] at positions len-1 .. len-2+T; stores their hidden states; -> logits [nb, T, V]."""
+        ar = torch.arange(tokens.size(1), device=self.device)
+        pos = torch.where(self.active[:, None], self.length[:, None] - 1 + ar, self.trash)   # [nb, T]
+        logits, hidden = self._target_fwd(tokens, pos)
+        self.hid[self.rows[:, None], pos.clamp(max=self.trash - 1)] = hidden
+        return logits
+
+    def _draft_next_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """draft_next for specdec.speculative_step; its first call catches the drafter up lazily."""
+        d = self.drafter
+        assert d is not None
+        state: dict[str, Any] = {}
+
+        def draft_next(tok: torch.Tensor) -> torch.Tensor:          # tok [nb] -> logits [nb, V]
+            if not state:   # feed tokens [dlen, len) (the last is `tok`); ragged rows padded to the trash
+                cnt = torch.where(self.active, self.length - self.dlen, 1)                       # [nb]
+                C = int(cnt.max())
+                j = self.dlen[:, None] + torch.arange(C, device=self.device)                     # [nb, C]
+                real = (j < self.length[:, None]) & self.active[:, None]
+                pos = torch.where(real, j - d.offset, self.trash)
+                jj = j.clamp(max=self.trash - 1)
+                toks = self.tok[self.rows[:, None], jj]                                          # [nb, C]
+                hidden = self.hid[self.rows[:, None], (jj - 1).clamp(min=0)] if d.needs_hidden else None
+                t0 = time.perf_counter()
+                logits, h = self._draft_fwd(toks, hidden, pos, graph=C == 1)
+                state["catchup_s"] = time.perf_counter() - t0
+                last = (cnt - 1)[:, None]
+                state["pos"] = torch.where(self.active, self.length - d.offset, self.trash)      # [nb]
+                state["h"] = h.gather(1, last[..., None].expand(-1, 1, h.size(-1))) if h is not None else None
+                return logits.gather(1, last[..., None].expand(-1, 1, logits.size(-1)))[:, 0]
+            logits, h = self._draft_fwd(tok[:, None], state["h"], state["pos"][:, None], graph=True)
+            state["pos"] = torch.where(self.active, state["pos"] + 1, self.trash)
+            state["h"] = h
+            return logits[:, 0]
+
+        draft_next.state = state  # type: ignore[attr-defined]
+        return draft_next
+
+    # ---- generation
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], *, speculative: bool | None = None, keep_hidden: bool = False,
+                 on_step: Callable[[int, RolloutEngine], None] | None = None,
+                 on_finish: Callable[[list[int], RolloutResult], None] | None = None) -> RolloutResult:
+        """Generate up to max_new_tokens per prompt (stops at EOS). on_step(n_active, engine) runs after
+        every decode step (`engine.result` is the partial result); on_finish(row ids, partial result)
+        whenever rows finish."""
+        cfg, s, dev = self.cfg, self.cfg.sampling, self.device
+        spec = (cfg.speculative if speculative is None else speculative) and self.drafter is not None
+        if not prompts or any(len(p) < 1 for p in prompts):
+            raise ConfigError("every prompt needs at least one token (BOS)")
+        B, lens = len(prompts), [len(p) for p in prompts]
+        self.cache_len = max(lens) + cfg.max_new_tokens + cfg.max_draft_tokens + 2
+        self._setup(B, self.cache_len)
+        self.cache_len = self._alloc[1]
+        self.trash = self.cache_len - 1
+        self.rows = torch.arange(B, device=dev)
+        self.row = torch.arange(B, device=dev)          # slot -> original row id
+        self.length = torch.tensor(lens, device=dev)
+        self.limit = self.length + cfg.max_new_tokens
+        self.active = torch.ones(B, dtype=torch.bool, device=dev)
+        self.dlen = torch.full((B,), self.drafter.offset if self.drafter else 0, device=dev)
+        for i, p in enumerate(prompts):
+            self.tok[i, : len(p)] = torch.tensor(p, device=dev)
+        result = self.result = RolloutResult([list(p) for p in prompts], lens, [None] * B, RolloutStats())
+        t_start = time.perf_counter()
+
+        W = max(lens) - 1                                # prefill all but each row's pending last token
+        if W > 0:
+            ar = torch.arange(W, device=dev)
+            pos = torch.where(ar < self.length[:, None] - 1, ar, self.trash)                  # [B, W]
+            _, hidden = self.target(self.tok[:, :W], pos, causal_decode_mask(pos, self.cache_len), return_hidden=True)
+            self.hid[:, :W] = hidden
+
+        st = result.stats
+        while True:
+            n_active = int(self.active.sum())
+            if n_active == 0:
+                break
+            if n_active <= self.nb // 2:             # drop finished rows: compact to a power-of-two bucket
+                order = torch.argsort((~self.active).to(torch.int8), stable=True)
+                self._compact(order[: _next_pow2(n_active)])
+                self.rows = torch.arange(self.nb, device=dev)
+            can = spec and (self.drafter is not None) and int(self.length[self.active].min()) > self.drafter.offset
+            k = self.controller.choose(self.nb, n_active, can)
+            t0 = time.perf_counter()
+            old_len = self.length
+            last = self.tok[self.rows, self.length - 1]                                       # [nb]
+            if k == 0:
+                p = to_probs(self._verify(last[:, None])[:, 0], s)                            # [nb, V]
+                new, n_acc = pick(p, s, self.gen)[:, None], torch.zeros_like(last)           # [nb, 1]
+                catchup = 0.0
+            else:
+                draft_next = self._draft_next_fn()
+                draft, n_acc, nxt = speculative_step(draft_next, self._verify, last, k, s, self.gen, self.rule)
+                new = torch.cat([draft, nxt[:, None]], 1).scatter(1, n_acc[:, None], nxt[:, None])   # [nb, k+1]
+                catchup = draft_next.state["catchup_s"]  # type: ignore[attr-defined]
+            # commit: accepted drafts + the target's token, cut at EOS and at the row's budget
+            j = torch.arange(new.size(1), device=dev)
+            cnt = n_acc + 1
+            eos_hit = torch.zeros_like(self.active)
+            if cfg.eos_id is not None:
+                is_eos = (new == cfg.eos_id) & (j < cnt[:, None])
+                eos_hit = is_eos.any(1)
+                cnt = torch.where(eos_hit, is_eos.int().argmax(1) + 1, cnt)
+            cnt = torch.minimum(cnt, self.limit - self.length) * self.active
+            wpos = (self.length[:, None] + j).clamp(max=self.trash - 1)
+            self.tok[self.rows[:, None], wpos] = new          # entries past cnt are uncommitted scratch
+            self.length = self.length + cnt
+            if k > 0 and self.drafter is not None:
+                kept = torch.minimum(n_acc, torch.full_like(n_acc, k - 1)) if self.drafter.keeps_drafts else 0
+                self.dlen = torch.where(self.active, torch.minimum(old_len + kept, self.length), self.dlen)
+            done = self.active & (eos_hit | (self.length >= self.limit))
+            act = self.active
+            self.active = self.active & ~done
+            # bookkeeping (one host sync)
+            dt = time.perf_counter() - t0
+            st.decode_steps += 1
+            st.committed += int(cnt.sum())
+            st.trace.append((n_active, self.nb, k))
+            if k > 0:
+                self.controller.record_acceptance(n_acc[act], k)
+                st.spec_steps += 1
+                st.verified_rows += n_active
+                st.accepted += int(n_acc[act].sum())
+                st.drafted += k * n_active
+                dt = dt - catchup + self.controller._fwd("draft", self.nb)
+            self.controller.record_step(self.nb, k, dt)
+            finished = done.nonzero()[:, 0].tolist()
+            if finished:
+                ids = []
+                for slot in finished:
+                    i, n = int(self.row[slot]), int(self.length[slot])
+                    result.sequences[i] = self.tok[slot, :n].tolist()
+                    if keep_hidden:
+                        result.hidden[i] = self.hid[slot, : n - 1].clone()
+                    ids.append(i)
+                if on_finish is not None:
+                    on_finish(ids, result)
+            if on_step is not None:
+                on_step(int(self.active.sum()), self)
+        st.seconds = time.perf_counter() - t_start
+        return result
+
+
+__all__ = ["DraftAdapter", "DraftController", "EagleDraft", "LMDraft", "RolloutConfig", "RolloutEngine",
+           "RolloutResult", "RolloutStats", "as_drafter"]

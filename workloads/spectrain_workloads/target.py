@@ -1,0 +1,132 @@
+"""`spectrain-target`: the entrypoint of a pod's `target` container.
+
+Reads the environment of docs/contracts.md (SPECTRAIN_CONFIG, SPECTRAIN_RUN_DIR, SPECTRAIN_RING_DIR,
+SPECTRAIN_DRAFTER_ENABLED, SPECTRAIN_DEVICE, SPECTRAIN_METRICS_PORT and torchrun's RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). `RANK` is the pod's base rank; with
+LOCAL_WORLD_SIZE > 1 and no LOCAL_RANK this process spawns one child per local rank
+(RANK = base + i, LOCAL_RANK = i), forwards SIGTERM/SIGINT to them, stops the others when one
+fails, and exits with the first failure's code.
+
+Dispatch on spec.mode: Pretrain -> spectrain_workloads.trainer; RL -> spectrain_workloads.rl.run;
+AsyncPipeline -> spectrain_workloads.async_pipeline.run (imported lazily).
+
+Exit codes (spectrain_workloads.exitcodes): 0 success, 2 configuration error (a message naming
+the field, before any training), 143 after a SIGTERM (checkpoint saved), 1 / 86 other errors.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from typing import Any
+
+from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.exitcodes import EXIT_CONFIG, EXIT_OK, exit_code_for, returncode_to_exit
+
+MODES = ("Pretrain", "RL", "AsyncPipeline")
+
+
+def _log(msg: str) -> None:
+    print(f"[spectrain-target] {msg}", file=sys.stderr, flush=True)
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def spawn_local_ranks(local_world: int, grace_s: float = 30.0) -> int:
+    """Run one child per local rank; returns the exit status for this process."""
+    base = _int_env("RANK", 0)
+    children: list[subprocess.Popen[Any]] = []
+    for i in range(local_world):
+        env = {**os.environ, "RANK": str(base + i), "LOCAL_RANK": str(i)}
+        children.append(subprocess.Popen([sys.executable, "-m", "spectrain_workloads.target"], env=env))
+
+    def forward(signum: int, _frame: Any) -> None:
+        for c in children:
+            if c.poll() is None:
+                c.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    by_pid = {c.pid: c for c in children}
+    status = EXIT_OK
+    left = set(by_pid)
+    while left:
+        pid, raw = os.wait()          # any child; signals interrupt and are handled (PEP 475)
+        if pid not in left:
+            continue
+        left.discard(pid)
+        code = returncode_to_exit(os.waitstatus_to_exitcode(raw))
+        by_pid[pid].returncode = os.waitstatus_to_exitcode(raw)
+        if code != EXIT_OK and status == EXIT_OK:
+            status = code
+            _log(f"local rank pid {pid} exited with {code}; stopping the other local ranks")
+            for other in left:
+                by_pid[other].terminate()
+            _reap(by_pid, left, grace_s)
+            break
+    return status
+
+
+def _reap(by_pid: dict[int, subprocess.Popen[Any]], left: set[int], grace_s: float) -> None:
+    for pid in list(left):
+        try:
+            by_pid[pid].wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            by_pid[pid].kill()
+            by_pid[pid].wait()
+
+
+def run_rank() -> int:
+    from spectrain_workloads import config
+
+    cfg = config.load()
+    if cfg.mode not in MODES:
+        raise ConfigError(f"spec.mode {cfg.mode!r} is unknown; use one of {list(MODES)}")
+    if cfg.mode == "RL":
+        from spectrain_workloads import rl  # type: ignore[attr-defined,unused-ignore]
+
+        rl.run(cfg)
+        return EXIT_OK
+    if cfg.mode == "AsyncPipeline":
+        from spectrain_workloads import async_pipeline
+
+        async_pipeline.run(cfg)
+        return EXIT_OK
+    # SIGTERM goes to a sigwait thread (shutdown.py); block it before torch starts any thread.
+    from spectrain_workloads.shutdown import block_sigterm
+
+    block_sigterm()
+    from spectrain_workloads.trainer import RankInfo, TrainerOptions, train
+
+    train(cfg, TrainerOptions.from_env(), RankInfo.from_env())
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        local_world = _int_env("LOCAL_WORLD_SIZE", 1)
+        if local_world > 1 and "LOCAL_RANK" not in os.environ:
+            sys.exit(spawn_local_ranks(local_world))
+        code = run_rank()
+    except ConfigError as exc:
+        _log(f"configuration error: {exc}")
+        sys.exit(EXIT_CONFIG)
+    except Exception as exc:  # noqa: BLE001 - the exit code classifies it for the operator
+        traceback.print_exc()
+        sys.exit(exit_code_for(exc))
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

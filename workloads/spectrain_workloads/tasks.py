@@ -1,0 +1,112 @@
+"""Verifiable-reward tasks for the RL mode (API.md `rl.task`): arithmetic, copy, sort.
+
+Byte-level (ByteTokenizer): prompt = BOS + text, response = answer bytes + EOS. Problem sizes are
+long-tailed (Pareto-distributed lengths, capped), so most responses are short and a few are long:
+the rollout long tail that RL leaves idle. Rewards are in [0, 1]: 1 for an exact answer closed by
+EOS, else partial credit 0.5 * (matching positions / max(len(response), len(answer))), which gives a
+weak policy a gradient to climb.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from dataclasses import dataclass
+
+from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.tokenizer import ByteTokenizer
+
+TOKENIZER = ByteTokenizer()
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+
+
+def long_tail_length(rng: random.Random, lo: int, hi: int, alpha: float) -> int:
+    """Pareto(alpha) with minimum lo, capped at hi: P(n >= x) = (lo / x) ** alpha."""
+    return min(hi, int(lo * (1.0 - rng.random()) ** (-1.0 / alpha)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """max_len caps the answer length (keep it <= rl.maxNewTokens - 1 so EOS fits); alpha: tail index."""
+
+    name: str = ""
+    max_len: int = 48
+    alpha: float = 1.2
+
+    def __post_init__(self) -> None:
+        if self.max_len < 2:
+            raise ConfigError(f"task max_len must be >= 2, got {self.max_len}")
+        if self.alpha <= 0:
+            raise ConfigError(f"task alpha must be > 0, got {self.alpha}")
+
+    def sample(self, rng: random.Random) -> Example:
+        raise NotImplementedError
+
+    def prompt_ids(self, ex: Example) -> list[int]:
+        return TOKENIZER.encode(ex.prompt, bos=True)
+
+    def answer_ids(self, ex: Example) -> list[int]:
+        return TOKENIZER.encode(ex.answer, eos=True)
+
+    def reward(self, ex: Example, response: list[int]) -> float:
+        """response: generated ids (EOS and anything after it ignored, except that EOS must be there)."""
+        closed = TOKENIZER.EOS in response
+        body = response[: response.index(TOKENIZER.EOS)] if closed else response
+        got = TOKENIZER.decode(body)
+        if closed and got == ex.answer:
+            return 1.0
+        match = sum(a == b for a, b in zip(got, ex.answer, strict=False))
+        return 0.5 * match / max(len(got), len(ex.answer), 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arithmetic(Task):
+    """'a+b=' -> decimal sum; operand digit counts long-tailed (answer length <= max_len)."""
+
+    name: str = "arithmetic"
+
+    def sample(self, rng: random.Random) -> Example:
+        def operand() -> int:
+            digits = long_tail_length(rng, 1, self.max_len - 1, self.alpha)
+            return rng.randrange(10 ** (digits - 1), 10**digits)
+        a, b = operand(), operand()
+        return Example(f"{a}+{b}=", str(a + b))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Copy(Task):
+    """'copy:<letters>=' -> the same letters."""
+
+    name: str = "copy"
+
+    def sample(self, rng: random.Random) -> Example:
+        s = "".join(rng.choice(string.ascii_lowercase) for _ in range(long_tail_length(rng, 1, self.max_len, self.alpha)))
+        return Example(f"copy:{s}=", s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sort(Task):
+    """'sort:<letters>=' -> the letters sorted."""
+
+    name: str = "sort"
+
+    def sample(self, rng: random.Random) -> Example:
+        s = "".join(rng.choice(string.ascii_lowercase) for _ in range(long_tail_length(rng, 1, self.max_len, self.alpha)))
+        return Example(f"sort:{s}=", "".join(sorted(s)))
+
+
+TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "copy": Copy, "sort": Sort}
+
+
+def get_task(name: str, **kwargs: float | int) -> Task:
+    if name not in TASKS:
+        raise ConfigError(f"target.rl.task {name!r} is not shipped; use one of {sorted(TASKS)}")
+    return TASKS[name](**kwargs)  # type: ignore[arg-type]
+
+
+__all__ = ["Arithmetic", "Copy", "Example", "Sort", "TASKS", "Task", "get_task", "long_tail_length"]
