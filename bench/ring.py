@@ -3,10 +3,14 @@
 publish_us_p50          one window_start() on the target side (a reader attached, not sleeping)
 wake_us_p50 / _p99      publish -> return of wait_windows() in another process that was asleep
                         on the futex (the reader is given time to fall asleep before each publish)
-spin_wake_us_p99        the same with a spin=True reader
-data_gbps               1 MiB payloads through publish_data + next_data + valid() (one copy)
-memcpy_gbps             np.copyto of the same 1 MiB, interleaved with the above in this run
-data_vs_memcpy          data_gbps / memcpy_gbps
+spin_wake_us_p50 / _p99 the same with a spin=True reader
+data_gbps               1 MB payloads through publish_data (the target's cost: one copy in; the
+                        reader gets views) on the default layout, 32 x 1 MiB slots
+memcpy_gbps             np.copyto of the same 1 MB into a pool of buffers with the ring's footprint
+                        (32 MB: like the ring's slots, they are not cache-resident), same run,
+                        interleaved; memcpy_hot_gbps: into one cache-hot buffer
+data_vs_memcpy          data_gbps / memcpy_gbps (data_vs_memcpy_hot: / memcpy_hot_gbps)
+data_e2e_gbps           publish_data + next_data + valid() in one thread
 waiting_reader_cpu_fraction  CPU time / wall time of a reader blocked in wait_windows()
 
 Run: python -m bench.ring [--quick]   (make bench-ring [QUICK=1])
@@ -28,7 +32,7 @@ from bench.common import median, parse_args, percentile, print_table, write_resu
 from spectrain_workloads.ring import FENCE_IMPL, RingConsumer, RingLayout, RingProducer, WindowKind
 
 CTX = mp.get_context("spawn")
-MIB = 1 << 20
+PAYLOAD = 1_000_000  # "1 MB": fits the default 1 MiB data slot with its meta
 _I_WAITERS = 256 >> 2  # layout.H_WAITERS as a u32 index (to publish only once the reader sleeps)
 
 
@@ -94,31 +98,54 @@ def bench_wake(path: Path, n: int, spin: bool) -> list[float]:
     return lat
 
 
-def bench_data(path: Path, reps: int, per_rep: int) -> tuple[float, float]:
-    p = RingProducer.create(path, RingLayout(window_slots=64, data_slots=8, data_slot_bytes=MIB + 4096))
+def bench_data(path: Path, reps: int, per_rep: int) -> dict[str, float]:
+    """1 MB payloads through the default layout (32 slots of 1 MiB), against memcpy of the same
+    bytes into one hot buffer and into a pool with the ring's footprint (a ring's writes rotate
+    through data_slots MiB and so leave the cache, as that pool's do)."""
+    layout = RingLayout()
+    p = RingProducer.create(path, layout)
     c = RingConsumer.open(path, timeout_s=5)
-    src = np.random.default_rng(0).integers(0, 255, MIB, dtype=np.uint8)
-    dst = np.empty_like(src)
+    src = np.random.default_rng(0).integers(0, 255, PAYLOAD, dtype=np.uint8)
+    hot = np.empty_like(src)
+    pool = [np.empty_like(src) for _ in range(layout.data_slots)]
     meta = {"step": 0, "dtype": "uint8"}
-    for _ in range(16):  # fault in every slot's pages once
+    per_rep = min(per_rep, layout.data_slots - 1)  # the reader drains between reps: nothing dropped
+    for _ in range(2 * layout.data_slots):  # fault every slot's and buffer's pages in once
         p.publish_data(meta, {"x": src})
         c.next_data()
-    data_s, copy_s = [], []
-    for _ in range(reps):  # interleaved: both see the same machine state
-        t = time.perf_counter()
+    for buf in pool:
+        np.copyto(buf, src)
+    t_hot, t_pool, t_pub, t_e2e = [], [], [], []
+    k = 0
+    clock = time.perf_counter
+    for _ in range(reps):  # interleaved, so all four see the same machine state
+        t = clock()
         for _ in range(per_rep):
-            np.copyto(dst, src)
-        copy_s.append(time.perf_counter() - t)
-        t = time.perf_counter()
+            np.copyto(hot, src)
+        t_hot.append(clock() - t)
+        t = clock()
+        for _ in range(per_rep):
+            k = (k + 1) % len(pool)
+            np.copyto(pool[k], src)
+        t_pool.append(clock() - t)
+        t = clock()
+        for _ in range(per_rep):
+            p.publish_data(meta, {"x": src})
+        t_pub.append(clock() - t)
+        while (rec := c.next_data()) is not None:
+            assert rec.valid()
+        t = clock()
         for _ in range(per_rep):
             p.publish_data(meta, {"x": src})
             rec = c.next_data()
             assert rec is not None and rec.valid()
-        data_s.append(time.perf_counter() - t)
+        t_e2e.append(clock() - t)
+    assert c.data_dropped == 0
     c.close()
     p.close()
-    gb = per_rep * MIB / 1e9
-    return gb / median(data_s), gb / median(copy_s)
+    gb = per_rep * PAYLOAD / 1e9
+    return {"hot": gb / median(t_hot), "pool": gb / median(t_pool), "publish": gb / median(t_pub),
+            "e2e": gb / median(t_e2e)}
 
 
 def bench_idle_cpu(path: Path, wall_s: float) -> float:
@@ -146,7 +173,7 @@ def main() -> None:
         publish = bench_publish(work / "ring-publish", 5_000 if quick else 50_000)
         wake = bench_wake(work / "ring-wake", 300 if quick else 2_000, spin=False)
         spin = bench_wake(work / "ring-spin", 200 if quick else 1_000, spin=True)
-        data_gbps, memcpy_gbps = bench_data(work / "ring-data", 7 if quick else 21, 20 if quick else 50)
+        data = bench_data(work / "ring-data", 15 if quick else 61, 16 if quick else 31)
         idle = bench_idle_cpu(work / "ring-idle", 2.0 if quick else 5.0)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -154,10 +181,14 @@ def main() -> None:
         "publish_us_p50": publish,
         "wake_us_p50": percentile(wake, 50),
         "wake_us_p99": percentile(wake, 99),
+        "spin_wake_us_p50": percentile(spin, 50),
         "spin_wake_us_p99": percentile(spin, 99),
-        "data_gbps": data_gbps,
-        "memcpy_gbps": memcpy_gbps,
-        "data_vs_memcpy": data_gbps / memcpy_gbps,
+        "data_gbps": data["publish"],
+        "memcpy_gbps": data["pool"],
+        "data_vs_memcpy": data["publish"] / data["pool"],
+        "memcpy_hot_gbps": data["hot"],
+        "data_vs_memcpy_hot": data["publish"] / data["hot"],
+        "data_e2e_gbps": data["e2e"],
         "waiting_reader_cpu_fraction": idle,
         "wake_samples": len(wake),
     }

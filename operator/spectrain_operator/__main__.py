@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                     help="liveness endpoint URL ('' to disable)")
     ap.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
+    ap.add_argument("--log-format", choices=["plain", "full", "json"], default="full",
+                    help="log line format (json for log collectors)")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("--debug", action="store_true")
     args = ap.parse_args(argv)

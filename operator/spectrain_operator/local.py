@@ -123,7 +123,7 @@ def _volume_dirs(pod: dict[str, Any], configmaps: dict[str, dict[str, Any]], run
 
 
 def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Path], master_port: int,
-                   overrides: dict[str, str]) -> dict[str, str]:
+                   overrides: dict[str, str], pod_ports: dict[str, int]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECTRAIN_", "CUDA_MPS_"))}
     meta = pod["metadata"]
     for item in c.get("env", []):
@@ -139,6 +139,9 @@ def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Pat
                 value = str(host) + value[len(mount_path.rstrip("/")):]
                 break
         env[item["name"]] = value
+    if env.get("SPECTRAIN_METRICS_PORT", "0") != "0":
+        # Pods share one network namespace locally: each gets its own metrics port.
+        env["SPECTRAIN_METRICS_PORT"] = str(pod_ports.setdefault(meta["name"], free_port()))
     env["MASTER_ADDR"] = "127.0.0.1"
     env["MASTER_PORT"] = str(master_port)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -163,6 +166,7 @@ def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None
     run = LocalRun(run_dir=run_dir, shm_dir=shm,
                    max_sidecar_restarts=int(job["spec"]["drafter"].get("maxFailures", 3)))
     master_port = free_port()
+    pod_ports: dict[str, int] = {}
     (run_dir / "logs").mkdir(exist_ok=True)
     for pod in pods:
         vols = _volume_dirs(pod, configmaps, run_dir, shm)
@@ -177,7 +181,7 @@ def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None
                                  "the local backend cannot run an image's default entrypoint; set target.command")
             run.containers.append(LocalContainer(
                 pod=pod["metadata"]["name"], name=c["name"], argv=argv, sidecar=sidecar,
-                env=_container_env(c, pod, mounts, master_port, env_overrides or {}),
+                env=_container_env(c, pod, mounts, master_port, env_overrides or {}, pod_ports),
                 log=run_dir / "logs" / f"{pod['metadata']['name']}.{c['name']}.log",
             ))
     (run_dir / "job.json").write_text(json.dumps(job, indent=2))

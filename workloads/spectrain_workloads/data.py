@@ -19,8 +19,10 @@ so the fast replicas wait for the slow one at the gradient all-reduce.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,12 +66,18 @@ def resolve_source(source: str, *, data_root: str | None = None) -> tuple[Path, 
     return path, "*"
 
 
-def _text_files(root: Path, pattern: str) -> list[Path]:
+def _text_files(root: Path, pattern: str) -> Iterator[Path]:
+    """Files under root in a fixed order (directories and names sorted), lazily: the corpus cap is
+    usually reached long before a big tree (the stdlib) has been walked."""
     if root.is_file():
-        return [root]
+        yield root
+        return
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    files = [p for p in root.rglob(pattern) if p.is_file() and not skip.intersection(p.parts)]
-    return sorted(files)
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        for name in sorted(filenames):
+            if fnmatch.fnmatch(name, pattern):
+                yield Path(dirpath) / name
 
 
 def load_corpus(source: str, *, max_bytes: int = 8 << 20, data_root: str | None = None) -> np.ndarray:

@@ -52,14 +52,14 @@ def rank_env(*, cfg_path: str | os.PathLike[str], world: int, node: int, nodes: 
         "SPECTRAIN_JOB_NAME": os.environ.get("SPECTRAIN_JOB_NAME", "local"),
         "RANK": str(node * per), "NODE_RANK": str(node), "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(per), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
-        "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": os.pathsep.join(
+        "GLOO_SOCKET_IFNAME": "lo", "SPECTRAIN_TORCH_THREADS": "1", "PYTHONPATH": os.pathsep.join(
             p for p in (_WORKLOADS, os.environ.get("PYTHONPATH", "")) if p),
     }
     if per == 1:
         env["LOCAL_RANK"] = "0"     # the process is the rank itself; no spawning
     else:
         env.pop("LOCAL_RANK", None)
-    env.update(extra or {})
+    env.update(extra or {})   # callers may override anything above, e.g. SPECTRAIN_TORCH_THREADS
     return env
 
 

@@ -32,6 +32,7 @@ _Q_CONSUMER_PID = L.H_CONSUMER_PID >> 3
 _I_NOTIFY = L.H_NOTIFY >> 2
 _I_WAITERS = L.H_WAITERS >> 2
 _DESCS_BYTES = L.MAX_ARRAYS * L.DESCRIPTOR.size
+_DECODE = json.JSONDecoder().decode
 
 
 class RingConsumer:
@@ -210,7 +211,7 @@ class RingConsumer:
             raise RingError(f"ring {self.path}: data record {seq} has a corrupt header (arrays={n_arrays}, "
                             f"bytes={used}): the file is not written by a spectrain producer")
         try:
-            meta = json.loads(meta_raw)
+            meta = _DECODE(meta_raw.decode())
             arrays = {}
             ro = self._m.ro_u8
             for k in range(n_arrays):

@@ -33,6 +33,7 @@ _I_NOTIFY = L.H_NOTIFY >> 2
 _I_WAITERS = L.H_WAITERS >> 2
 _NO_SHAPE = (0,) * L.MAX_NDIM
 _MAX_OPEN_WINDOWS = 1 << 16
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class RingProducer:
@@ -154,14 +155,14 @@ class RingProducer:
         seq. `arrays` values: numpy arrays or anything np.asarray accepts through the buffer
         protocol or __array__ (CPU tensors; pass bfloat16 as an int16 view and say so in meta)."""
         self._check_open()
-        meta_raw = json.dumps(meta, separators=(",", ":")).encode()
+        meta_raw = _ENCODE(meta).encode()
         if len(arrays) > L.MAX_ARRAYS:
             raise PayloadTooLarge(f"{len(arrays)} arrays in one data record; the ring holds at most {L.MAX_ARRAYS}")
         plan = []
         pos = L.round_up(len(meta_raw), L.ALIGN)
         end = len(meta_raw)
         for name, value in arrays.items():
-            a = np.asarray(value)
+            a = value if type(value) is np.ndarray else np.asarray(value)
             if a.dtype.hasobject or a.ndim > L.MAX_NDIM:
                 raise ValueError(f"array {name!r}: dtype {a.dtype} / ndim {a.ndim} cannot go through the ring "
                                  f"(plain numeric dtypes, at most {L.MAX_NDIM} dims)")
@@ -189,9 +190,10 @@ class RingProducer:
             mm[payload:payload + len(meta_raw)] = meta_raw
             for k, (raw_name, dtype, a, at) in enumerate(plan):
                 start = payload + at
-                if a.nbytes:
-                    dst = u8[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
-                    np.copyto(dst, a, casting="no")  # the one copy; handles non-contiguous sources
+                if a.flags.c_contiguous:  # the one copy: a plain memcpy from the array's buffer
+                    mm[start:start + a.nbytes] = a.reshape(-1).view(np.uint8) if a.ndim != 1 or a.itemsize != 1 else a
+                elif a.nbytes:  # strided source: numpy gathers it straight into the slot (still one copy)
+                    np.copyto(u8[start:start + a.nbytes].view(a.dtype).reshape(a.shape), a, casting="no")
                 shape = tuple(a.shape) + _NO_SHAPE[a.ndim:]
                 L.DESCRIPTOR.pack_into(mm, base + L.DESCRIPTORS_AT + k * L.DESCRIPTOR.size, raw_name, dtype,
                                        a.ndim, 0, at, a.nbytes, *shape)

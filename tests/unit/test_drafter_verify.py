@@ -1,0 +1,123 @@
+"""Acceptance measurement: the cached chain equals a brute-force recompute; known drafters score as known."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from spectrain_workloads.drafter.models import EagleDrafter, build_drafter, eagle_loss
+from spectrain_workloads.drafter.settings import DrafterSettings
+from spectrain_workloads.drafter.synthetic import make_target, target_hidden, text_sequences
+from spectrain_workloads.drafter.verify import Verifier, _starts, measure, measure_sample
+from spectrain_workloads.model import Transformer, model_config
+
+pytestmark = pytest.mark.unit
+torch.set_num_threads(1)
+
+CFG = model_config("debug", {"n_layers": 2, "max_seq_len": 64})
+K = 4
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return make_target(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def data(target: Transformer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tokens = text_sequences(3, 40, seed=5)
+    hidden = target_hidden(target, tokens)
+    return [(tokens[i], hidden[i]) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def trained_eagle(target: Transformer, data: list[tuple[torch.Tensor, torch.Tensor]]) -> EagleDrafter:
+    """Fitted to the evaluation sequences themselves: many accepted drafts to compare."""
+    d = build_drafter(DrafterSettings(), CFG)
+    assert isinstance(d, EagleDrafter) and target.tok_embeddings is not None and target.output is not None
+    d.load_target_weights(target.tok_embeddings.weight, target.output.weight)
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-2)
+    tokens, hidden = torch.stack([t for t, _ in data]), torch.stack([h for _, h in data])
+    for _ in range(60):
+        loss, _ = eagle_loss(d, tokens, hidden, hidden_weight=1.0, ce_weight=0.5)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return d.eval()
+
+
+@torch.no_grad()
+def brute_force(model: torch.nn.Module, tokens: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor,
+                eagle: bool) -> tuple[int, int, list[int]]:
+    """Accepted drafts summed over the same chain starts, re-running the whole prefix every step."""
+    total, chains, depth = 0, 0, [0] * K
+    for t in _starts(tokens.numel(), K, 4):
+        if eagle:
+            toks, hids = tokens[1:t + 2].tolist(), list(hidden[: t + 1])
+        else:
+            toks = tokens[: t + 2].tolist()
+        n = 0
+        for j in range(1, K + 1):
+            if eagle:
+                logits, h = model(torch.tensor([toks]), torch.stack(hids)[None])
+            else:
+                logits = model(torch.tensor([toks]))
+            d = int(logits[0, -1].argmax())
+            if d != int(greedy[t + j]):
+                break
+            n += 1
+            depth[j - 1] += 1
+            toks.append(d)
+            if eagle:
+                hids.append(h[0, -1])
+        total, chains = total + n, chains + 1
+    return total, chains, depth
+
+
+def test_eagle_cached_chains_equal_brute_force(target: Transformer, trained_eagle: EagleDrafter,
+                                               data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    assert target.output is not None
+    seen = 0
+    for tokens, hidden in data:
+        greedy = target.output(hidden).argmax(-1)
+        acc = measure_sample(trained_eagle, tokens, hidden, None, k=K)
+        total, chains, depth = brute_force(trained_eagle, tokens, hidden, greedy, eagle=True)
+        assert (acc.accepted_sum, acc.chains, acc.per_depth) == (total, chains, depth)
+        seen += total
+    assert seen >= 6, "the trained drafter should get some drafts accepted, or this test checks nothing"
+
+
+def test_lm_identical_to_target_agrees_top1_and_first_draft(target: Transformer,
+                                                             data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    lm = copy.deepcopy(target)
+    assert target.output is not None
+    acc = measure(lm, data, target.output.weight, k=K)
+    assert acc.top1 == 1.0
+    assert acc.per_depth[0] == acc.chains and acc.accepted >= 1.0
+    for tokens, hidden in data:
+        greedy = target.output(hidden).argmax(-1)
+        one = measure_sample(lm, tokens, hidden, target.output.weight, k=K)
+        assert (one.accepted_sum, one.chains, one.per_depth) == brute_force(lm, tokens, hidden, greedy, eagle=False)
+
+
+def test_trained_beats_untrained_and_chunked_rounds_equal_one_pass(target: Transformer, trained_eagle: EagleDrafter,
+                                                                   data: list) -> None:
+    fresh = build_drafter(DrafterSettings(seed=1), CFG)
+    assert isinstance(fresh, EagleDrafter) and target.tok_embeddings is not None and target.output is not None
+    fresh.load_target_weights(target.tok_embeddings.weight, target.output.weight)
+    trained, untrained = measure(trained_eagle, data, None, k=K), measure(fresh, data, None, k=K)
+    assert trained.top1 > untrained.top1 + 0.2
+    assert trained.acceptance_length == trained.accepted + 1 and trained.acceptance_length > untrained.acceptance_length
+    v = Verifier(k=K)
+    v.begin(data)
+    results = [v.run_chunk(trained_eagle, None) for _ in data]
+    assert results[:-1] == [None, None] and not v.in_progress and v.rounds == 1
+    assert results[-1] is not None and results[-1].to_dict() == trained.to_dict()
+
+
+def test_starts_do_not_overlap_and_fit() -> None:
+    assert _starts(40, 4, 4) == [0, 8, 16, 24]
+    assert _starts(10, 4, 8) == [0, 4]
+    assert _starts(4, 4, 8) == []
