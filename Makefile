@@ -46,7 +46,7 @@ lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check operator workloads tests bench scripts
 
 typecheck: $(STAMP) ## mypy on the operator and the ring
-	$(VENV)/bin/mypy operator/spectrain_operator workloads/spectrain_workloads/ring.py
+	$(VENV)/bin/mypy operator/spectrain_operator workloads/spectrain_workloads/ring
 
 verify: $(STAMP) ## regenerate derived files (helm CRD copy, docs) and fail on a diff
 	$(PY) scripts/gen.py

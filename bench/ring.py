@@ -19,6 +19,7 @@ Run: python -m bench.ring [--quick]   (make bench-ring [QUICK=1])
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import shutil
 import tempfile
 import time
@@ -60,7 +61,7 @@ def _idle_reader(path: str, wall_s: float, ready: Event, out: Any) -> None:
 def bench_publish(path: Path, n: int) -> float:
     p = RingProducer.create(path, RingLayout(window_slots=4096))
     c = RingConsumer.open(path, timeout_s=5)
-    samples = []
+    samples: list[float] = []
     clock = time.perf_counter_ns
     for i in range(n):
         t = clock()
@@ -168,6 +169,7 @@ def bench_idle_cpu(path: Path, wall_s: float) -> float:
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0] if __doc__ else "bench-ring")
     quick = args.quick
+    load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="spectrain-bench-ring-", dir="/dev/shm"))
     try:
         publish = bench_publish(work / "ring-publish", 5_000 if quick else 50_000)
@@ -191,6 +193,7 @@ def main() -> None:
         "data_e2e_gbps": data["e2e"],
         "waiting_reader_cpu_fraction": idle,
         "wake_samples": len(wake),
+        "loadavg_1m": max(load_before, os.getloadavg()[0]),  # latency tails depend on it (shared host)
     }
     write_results("ring", results, quick)
     print_table(f"bench-ring ({'quick' if quick else 'full'}; fence: {FENCE_IMPL})", results)

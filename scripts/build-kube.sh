@@ -12,6 +12,8 @@ KUBE_CACHE="${KUBE_CACHE:-$HOME/.cache/spectrain/kube}"
 BIN="$KUBE_CACHE/bin"
 WORK="$KUBE_CACHE/work"
 TARGETS=(kube-apiserver kube-controller-manager)
+# Bump when the source patches below change: cached binaries of another level are rebuilt.
+PATCH_LEVEL=2
 
 log() { printf '[build-kube] %s\n' "$*" >&2; }
 die() { printf '[build-kube] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -19,10 +21,11 @@ die() { printf '[build-kube] ERROR: %s\n' "$*" >&2; exit 1; }
 have_all() {
   local t
   for t in "${TARGETS[@]}"; do [[ -x "$BIN/$t" ]] || return 1; done
+  [[ "$(cat "$BIN/.patch-level" 2>/dev/null)" == "$PATCH_LEVEL" ]]
 }
 
 if have_all; then
-  log "cached: $BIN/{kube-apiserver,kube-controller-manager} (delete them to rebuild)"
+  log "cached: $BIN/{kube-apiserver,kube-controller-manager} patch level $PATCH_LEVEL (delete them to rebuild)"
   exit 0
 fi
 
@@ -102,6 +105,18 @@ if [[ -z "$SRCDIR" || ! -f "$SRCDIR/.spectrain-extracted" ]]; then
     rsync -a --delete --exclude '*_test.go' --exclude 'testdata/' --exclude 'go.mod' --exclude 'go.sum' \
       "$src/" "$dst/" || die "rsync $src -> $dst failed"
   done
+  # --- 3b. go-openapi zero-value check: with Go >= 1.16 reflect.Zero returns shared values, so the
+  # vendored validator treats "" (and 0, false) as null and rejects every empty string in a custom
+  # resource ('Invalid value: "null": ... must be of type string'). Upstream fix: kube-openapi#230
+  # (kubernetes#99804, 1.21): only a real nil is null.
+  mapfile -t typego < <(grep -rl --include=type.go 'reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data))' \
+                          "$SRCDIR/vendor" || true)
+  ((${#typego[@]})) || die "go-openapi validate/type.go zero-value check not found: the patch needs updating"
+  for f in "${typego[@]}"; do
+    sed -i 's/if data == nil || reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data)) {/if data == nil {/' "$f"
+    ! grep -q 'reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data))' "$f" || die "patching $f failed"
+    log "patched the zero-value check in ${f#"$SRCDIR"/}"
+  done
   touch "$SRCDIR/.spectrain-extracted"
 else
   log "reusing extracted source $SRCDIR"
@@ -122,6 +137,7 @@ for t in "${TARGETS[@]}"; do
   cp "$built" "$tmp" && chmod 0755 "$tmp" && mv -f "$tmp" "$BIN/$t"
 done
 "$BIN/kube-apiserver" --version >&2 || die "$BIN/kube-apiserver does not run"
+echo "$PATCH_LEVEL" > "$BIN/.patch-level.tmp" && mv -f "$BIN/.patch-level.tmp" "$BIN/.patch-level"
 # The source tree + build outputs take ~2.3 GB; keep them only when asked (KUBE_KEEP_WORK=1).
 if [[ "${KUBE_KEEP_WORK:-0}" != 1 ]]; then rm -rf "$WORK"; fi
 log "done: $BIN"

@@ -156,7 +156,7 @@ def spec_schema() -> dict[str, Any]:
         "steps": i("Training steps.", default=1000, minimum=1, maximum=1000000000),
         "checkpoint": o("Checkpointing of the target (and the drafter, into the same volume).", {
             "claimName": s("PVC for checkpoints; empty: an emptyDir, lost with the pod (condition "
-                           "CheckpointEphemeral says so).", default="", maxLength=253),
+                           "CheckpointEphemeral says so).", maxLength=253),
             "everySteps": i("Steps between checkpoints.", default=100, minimum=1, maximum=1000000000),
             "keep": i("Checkpoints kept.", default=3, minimum=1, maximum=1000),
         }, default={}),
@@ -170,7 +170,7 @@ def spec_schema() -> dict[str, Any]:
     ])
     drafter = o("The speculative-decoding drafter trained in the target's idle windows. Immutable once created.", {
         "enabled": b("Run the drafter sidecar.", default=True),
-        "image": s("Drafter image; empty: target.image.", default="", maxLength=1024),
+        "image": s("Drafter image; empty: target.image.", maxLength=1024),
         "arch": s("Eagle: one decoder layer on the target's hidden states; LM: a small standalone LM.",
                   default="Eagle", enum=["Eagle", "LM"]),
         "preset": s("Model preset of the drafter.", default="debug", enum=PRESETS),
@@ -197,7 +197,7 @@ def spec_schema() -> dict[str, Any]:
             "lr": n("Learning rate (> 0).", default=0.001, minimum=0, exclusiveMinimum=True, maximum=100),
         }, default={}),
         "export": o("Where the deployable drafter artifact goes.", {
-            "claimName": s("PVC for the artifact; empty: the checkpoint volume.", default="", maxLength=253),
+            "claimName": s("PVC for the artifact; empty: the checkpoint volume.", maxLength=253),
             "path": s("Relative path inside the volume; no '..', not absolute.", default="drafter",
                       minLength=1, maxLength=253, pattern=REL_PATH_PATTERN,
                       **{"x-kubernetes-validations": [
@@ -218,7 +218,7 @@ def spec_schema() -> dict[str, Any]:
             "deviceClassName": s("DeviceClass of the GPUs.", default="gpu.nvidia.com", maxLength=253),
         }, default={}),
         "mps": o("PodLocalMPS settings.", {
-            "image": s("MPS daemon image; empty: target.image.", default="", maxLength=1024),
+            "image": s("MPS daemon image; empty: target.image.", maxLength=1024),
             "runAsUser": i("UID shared by all containers (MPS requires one user).", default=1000, minimum=0,
                            maximum=2147483647),
         }, default={}),
@@ -248,8 +248,8 @@ def spec_schema() -> dict[str, Any]:
         }, default={}),
     }, default={})
     scheduling = o("How the pods are scheduled.", {
-        "schedulerName": s("Scheduler of the pods; empty: the cluster default.", default="", maxLength=253),
-        "priorityClassName": s("PriorityClass of the pods.", default="", maxLength=253),
+        "schedulerName": s("Scheduler of the pods; empty: the cluster default.", maxLength=253),
+        "priorityClassName": s("PriorityClass of the pods.", maxLength=253),
         "gang": o("Gang scheduling (all pods or none).", {
             "provider": s("PodGroup provider.", default="None", enum=["None", "SchedulerPlugins", "Volcano"]),
         }, default={}),
@@ -342,10 +342,12 @@ def crd() -> dict[str, Any]:
     schema = o("SpecTrainJob trains a speculative-decoding drafter in the idle GPU time of an LLM training job.", {
         "apiVersion": s("Versioned schema of this object."),
         "kind": s("REST resource kind of this object."),
-        "metadata": o("Standard object metadata.", {
+        # The API server allows nothing on metadata but restrictions of name/generateName (not even
+        # a description): the description of this node is the one of `name`.
+        "metadata": {"type": "object", "properties": {
             "name": s(f"Job name: a DNS-1035 label of at most {MAX_NAME_LENGTH} characters so every child "
                       "name stays a valid DNS label.", maxLength=MAX_NAME_LENGTH, pattern=NAME_PATTERN),
-        }),
+        }},
         "spec": spec_schema(),
         "status": status_schema(),
     }, required=["spec"], rules=[

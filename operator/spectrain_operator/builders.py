@@ -129,7 +129,7 @@ def drafter_runs(job: Obj, drafter_disabled: bool = False) -> bool:
 
 def export_dir(job: Obj) -> str:
     export = job["spec"]["drafter"]["export"]
-    base = EXPORT_DIR if export["claimName"] else RUN_DIR
+    base = EXPORT_DIR if export.get("claimName", "") else RUN_DIR
     return f"{base}/{export['path']}"
 
 
@@ -166,7 +166,7 @@ def _mounts(job: Obj, *, data: bool) -> list[Obj]:
         {"name": "ring", "mountPath": RING_DIR},
         {"name": "run", "mountPath": RUN_DIR},
     ]
-    if job["spec"]["drafter"]["export"]["claimName"]:
+    if job["spec"]["drafter"]["export"].get("claimName", ""):
         mounts.append({"name": "export", "mountPath": EXPORT_DIR})
     claim = specmod.data_claim(job["spec"])
     if data and claim:
@@ -180,10 +180,10 @@ def _volumes(job: Obj) -> list[Obj]:
         {"name": "config", "configMap": {"name": config_name(job), "items": [{"key": CONFIG_KEY, "path": CONFIG_KEY}]}},
         {"name": "ring", "emptyDir": {"medium": "Memory", "sizeLimit": s["ring"]["sizeLimit"]}},
     ]
-    ckpt = s["target"]["checkpoint"]["claimName"]
+    ckpt = s["target"]["checkpoint"].get("claimName", "")
     volumes.append({"name": "run", "persistentVolumeClaim": {"claimName": ckpt}} if ckpt
                    else {"name": "run", "emptyDir": {}})
-    if s["drafter"]["export"]["claimName"]:
+    if s["drafter"]["export"].get("claimName", ""):
         volumes.append({"name": "export", "persistentVolumeClaim": {"claimName": s["drafter"]["export"]["claimName"]}})
     claim = specmod.data_claim(s)
     if claim:
@@ -215,7 +215,7 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
     if drafter_on:
         init.append({
             "name": "drafter",
-            "image": d["image"] or t["image"],
+            "image": d.get("image") or t["image"],
             "command": list(DRAFTER_COMMAND),
             "restartPolicy": "Always",
             "env": _env(job, node, True, DRAFTER_METRICS_PORT),

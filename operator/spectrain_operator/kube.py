@@ -85,7 +85,6 @@ class Kube:
 
     def request(self, method: str, path: str, *, body: Any = None, query: dict[str, Any] | None = None,
                 content_type: str = "application/json", timeout: float = 30.0) -> Obj | None:
-        from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
         with self._lock:
@@ -93,20 +92,24 @@ class Kube:
         metrics.API_CALLS.labels(verb=method).inc()
         headers = {"Accept": "application/json", "Content-Type": content_type}
         try:
-            resp = self.api.call_api(path, method, query_params=list((query or {}).items()), header_params=headers,
-                                     body=body, auth_settings=["BearerToken"], _preload_content=False,
-                                     _return_http_data_only=True, _request_timeout=timeout)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            detail = _reason(exc.body) or str(exc.reason)
-            text = f"{method} {path}: {exc.status} {detail}"
-            if exc.status == 409 or exc.status == 429 or (exc.status or 500) >= 500:
-                raise TransientError(text, exc.status) from exc
-            raise RejectedError(text, exc.status) from exc
-        except (HTTPError, OSError) as exc:
+            # The client only builds the URL and auth headers: its body serialiser turns "" into
+            # null, so the body is encoded here and sent over the client's own TLS pool.
+            _, url, headers_, _, _ = self.api.param_serialize(
+                method=method, resource_path=path, query_params=list((query or {}).items()),
+                header_params=headers, auth_settings=["BearerToken"])
+            payload = None if body is None else json.dumps(body, allow_nan=False).encode()
+            resp = self.api.rest_client.pool_manager.request(method, url, body=payload, headers=headers_,
+                                                             timeout=timeout, retries=False)
+            status, data = resp.status, resp.data
+        except (HTTPError, OSError, ValueError) as exc:
             raise TransientError(f"{method} {path}: {exc}") from exc
-        data = resp.data
+        if status == 404:
+            return None
+        if not 200 <= status < 300:
+            text = f"{method} {path}: {status} {_reason(data)}"
+            if status in (409, 429) or status >= 500:
+                raise TransientError(text, status)
+            raise RejectedError(text, status)
         return json.loads(data) if data else {}
 
     # ------------------------------------------------------------ objects

@@ -331,10 +331,10 @@ def defaulted(manifest: Obj) -> Obj:
 def claims(spec: Obj) -> list[tuple[str, str]]:
     """(field path, PVC name) of every claim the job mounts."""
     out = []
-    if spec["target"]["checkpoint"]["claimName"]:
-        out.append(("spec.target.checkpoint.claimName", spec["target"]["checkpoint"]["claimName"]))
-    if spec["drafter"]["export"]["claimName"]:
-        out.append(("spec.drafter.export.claimName", spec["drafter"]["export"]["claimName"]))
+    if spec["target"]["checkpoint"].get("claimName", ""):
+        out.append(("spec.target.checkpoint.claimName", spec["target"]["checkpoint"].get("claimName", "")))
+    if spec["drafter"]["export"].get("claimName", ""):
+        out.append(("spec.drafter.export.claimName", spec["drafter"]["export"].get("claimName", "")))
     claim = data_claim(spec)
     if claim:
         out.append(("spec.target.data.source", claim))

@@ -365,7 +365,7 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
         conds.set("DrafterActive", True, "Harvesting", f"{st['drafter']['activeRanks']} rank(s) training the drafter")
     else:
         conds.clear("DrafterActive", st["drafter"]["state"])
-    if not spec["target"]["checkpoint"]["claimName"]:
+    if not spec["target"]["checkpoint"].get("claimName", ""):
         conds.set("CheckpointEphemeral", True, "EmptyDirCheckpoint",
                   "spec.target.checkpoint.claimName is empty: checkpoints live in an emptyDir and are lost with "
                   "the pods; set a PVC to resume after restarts")

@@ -89,22 +89,6 @@ def _tail(path: Path, n: int = 40) -> str:
         return "(no log)"
 
 
-def crd_for_1_20(crd: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `crd` that the 1.20 apiserver accepts: it wrongly rejects `default: ""` on string
-    fields ('Invalid value: "null": must be of type string'; newer versions accept it), so those
-    defaults are dropped. CEL rules (x-kubernetes-validations) need no change: 1.20 drops them."""
-
-    def strip(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {k: strip(v) for k, v in node.items() if not (k == "default" and v == "")}
-        if isinstance(node, list):
-            return [strip(v) for v in node]
-        return node
-
-    out: dict[str, Any] = strip(crd)
-    return out
-
-
 class KubeAPI:
     """One etcd + kube-apiserver. Use `start()` / `stop()` (the `kube` fixture does both)."""
 

@@ -13,7 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from spectrain_workloads.ring import DataRecord, RingConsumer, RingLayout, RingProducer, WindowEvent, WindowKind
+from spectrain_workloads.ring import (
+    DataRecord,
+    RingConsumer,
+    RingLayout,
+    RingProducer,
+    WindowEvent,
+    WindowKind,
+)
 
 PAYLOAD_POOL = 8
 
@@ -36,13 +43,13 @@ def payloads(nbytes: int) -> list[tuple[np.ndarray, int]]:
     out = []
     for _ in range(PAYLOAD_POOL):
         a = rng.integers(0, 256, nbytes, dtype=np.uint8)
-        out.append((a, zlib.crc32(a)))
+        out.append((a, zlib.crc32(a.tobytes())))
     return out
 
 
 def data_check(rec: DataRecord) -> bool | None:
     """True: intact and still valid; None: overwritten meanwhile (discarded); False: TORN."""
-    intact = (zlib.crc32(rec.arrays["x"]) == rec.meta["crc"]
+    intact = (zlib.crc32(rec.arrays["x"].data) == rec.meta["crc"]
               and bool((rec.arrays["tokens"] == rec.meta["i"]).all()))
     if not rec.valid():
         return None
@@ -74,7 +81,7 @@ def read_all(path: str, out: Any, ready: Event) -> None:
     ready.set()
     stats = {"windows": 0, "windows_bad": 0, "data_ok": 0, "data_discarded": 0, "data_bad": 0}
     while True:
-        alive = c.producer_alive()
+        closed = c.producer_closed()  # not the heartbeat: a starved host must not end the run early
         for ev in c.wait_windows(0.05):
             stats["windows"] += 1
             stats["windows_bad"] += not window_ok(ev)
@@ -82,7 +89,7 @@ def read_all(path: str, out: Any, ready: Event) -> None:
             verdict = data_check(rec)
             key = "data_ok" if verdict else "data_discarded" if verdict is None else "data_bad"
             stats[key] += 1
-        if not alive:  # everything published before the close is drained by now
+        if closed:  # everything published before the close is drained by now
             break
     stats["windows_missed"] = c.windows_missed
     stats["data_dropped"] = c.data_dropped
@@ -101,9 +108,10 @@ def wait_forever(path: str, ready: Event) -> None:
 def receive(path: str, count: int, out: Any, ready: Event) -> None:
     """Wait for `count` window records with the blocking reader; report their steps."""
     c = RingConsumer.open(path, timeout_s=30, start="oldest")
+    c.CHUNK_S = 600.0  # sleep until woken: only the producer's FUTEX_WAKE can deliver in time
     ready.set()
     steps: list[int] = []
     while len(steps) < count:
-        steps.extend(ev.step for ev in c.wait_windows(10.0))
+        steps.extend(ev.step for ev in c.wait_windows(600.0))
     out.put(steps)
     c.close()

@@ -6,8 +6,9 @@ from __future__ import annotations
 import copy
 
 import torch
-from spectrain_workloads.model import Block, KVCache, Transformer, model_config, rope_cache
 from torch import nn
+
+from spectrain_workloads.model import Block, KVCache, Transformer, model_config, rope_cache
 
 
 def tiny_model(seed: int, preset: str = "debug", dtype: torch.dtype = torch.float64, **overrides: object) -> Transformer:

@@ -21,7 +21,12 @@ from spectrain_workloads.drafter.models import (
     wait_target_shared,
 )
 from spectrain_workloads.drafter.settings import DrafterSettings
-from spectrain_workloads.drafter.synthetic import make_target, target_hidden, text_sequences, write_target_shared
+from spectrain_workloads.drafter.synthetic import (
+    make_target,
+    target_hidden,
+    text_sequences,
+    write_target_shared,
+)
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import Transformer, causal_decode_mask, model_config
 

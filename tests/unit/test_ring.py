@@ -11,6 +11,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -88,7 +89,7 @@ def test_windows_arrive_in_order_with_every_field(pair: tuple[RingProducer, Ring
 
 def test_100k_records_wrap_a_64_slot_ring_without_loss(pair: tuple[RingProducer, RingConsumer]) -> None:
     p, c = pair
-    seen = []
+    seen: list[int] = []
     for batch in range(2000):
         for i in range(50):
             p.window_start(WindowKind.IMBALANCE, stage=0, step=batch * 50 + i)
@@ -113,7 +114,7 @@ def test_a_lagging_reader_counts_exactly_what_it_missed(pair: tuple[RingProducer
 def test_data_keeps_dtypes_shapes_and_is_a_read_only_view(pair: tuple[RingProducer, RingConsumer]) -> None:
     p, c = pair
     h = np.arange(24, dtype=np.float16).reshape(4, 6)
-    arrays = {"hidden": h, "tokens": np.arange(4, dtype=np.int64), "transposed": h.T, "scalar": np.float64(2.5),
+    arrays: dict[str, Any] = {"hidden": h, "tokens": np.arange(4, dtype=np.int64), "transposed": h.T, "scalar": np.float64(2.5),
               "empty": np.zeros((0, 3), np.int32), "mask": np.array([True, False])}
     seq = p.publish_data({"step": 7, "dtype": "float16"}, arrays)
     rec = c.next_data()
@@ -126,6 +127,25 @@ def test_data_keeps_dtypes_shapes_and_is_a_read_only_view(pair: tuple[RingProduc
     with pytest.raises(ValueError):
         rec.arrays["hidden"][0, 0] = 1
     assert rec.valid() and c.next_data() is None
+
+
+def test_large_arrays_keep_content_and_alignment_from_any_source_offset(ring: Path) -> None:
+    p = RingProducer.create(ring, RingLayout(data_slots=2, data_slot_bytes=1 << 17))
+    c = RingConsumer.open(ring, timeout_s=0)
+    raw = np.random.default_rng(0).integers(0, 255, 1 << 18, dtype=np.uint8)
+    for off in (0, 3, 20):  # unaligned uint8 sources, then float32 ones (co-aligned copy path)
+        odd = raw[off:off + 70_000]
+        f32 = raw[4 * off:4 * off + 4 * 12_000].view(np.float32)
+        p.publish_data({"off": off}, {"odd": odd, "f32": f32})
+        rec = c.next_data()
+        assert rec is not None and np.array_equal(rec.arrays["odd"], odd)
+        assert np.array_equal(rec.arrays["f32"], f32, equal_nan=True) and rec.arrays["f32"].flags.aligned
+    exact = raw[5:5 + (1 << 17) - 64]  # fills the slot exactly: no room for co-alignment padding
+    p.publish_data({}, {"x": exact})
+    rec = c.next_data()
+    assert rec is not None and np.array_equal(rec.arrays["x"], exact) and c.data_dropped == 0
+    c.close()
+    p.close()
 
 
 def test_data_overwritten_under_a_reader_is_invalid_and_counted(pair: tuple[RingProducer, RingConsumer]) -> None:
@@ -160,6 +180,8 @@ def test_a_rejected_publish_leaves_the_ring_intact(pair: tuple[RingProducer, Rin
     p.window_start(WindowKind.BUBBLE, stage=0, step=1)
     with pytest.raises(ValueError, match="durations and times must be >= 0"):
         p.window_start(WindowKind.BUBBLE, stage=0, step=2, predicted_duration_ns=-1)
+    with pytest.raises(ValueError, match="not a WindowKind"):
+        p.window_start(9, stage=0, step=2)
     p.window_start(WindowKind.BUBBLE, stage=0, step=3)
     assert [e.step for e in c.poll_windows()] == [1, 3] and c.windows_missed == 0
 
@@ -250,10 +272,10 @@ def test_layout_version_mismatch_names_both_versions(ring: Path) -> None:
 
 def test_closed_producer_is_not_alive(pair: tuple[RingProducer, RingConsumer]) -> None:
     p, c = pair
-    assert c.producer_alive(max_age_s=1.0) and c.heartbeat_age_s() < 1.0
+    assert c.producer_alive(max_age_s=1.0) and c.heartbeat_age_s() < 1.0 and not c.producer_closed()
     c.check_alive()
     p.close()
-    assert not c.producer_alive()
+    assert not c.producer_alive() and c.producer_closed()
     with pytest.raises(ProducerDead, match="closed the ring"):
         c.check_alive()
     with pytest.raises(RingError, match="closed"):

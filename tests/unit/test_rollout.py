@@ -10,9 +10,9 @@ import random
 
 import pytest
 import torch
+
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.rollout import DraftController, EagleDraft, RolloutConfig, RolloutEngine
-
 from tests.unit.drafters import TinyEagle, tiny_model
 
 pytestmark = pytest.mark.unit

@@ -52,7 +52,7 @@ def _walk(node: dict[str, Any], path: str):
 
 def test_every_field_has_a_description() -> None:
     missing = [p for p, n in _walk(spec.schema(), "") if not n.get("description")]
-    assert missing == []
+    assert missing == [".metadata"]  # the API server forbids anything but name/generateName restrictions there
 
 
 def test_every_cel_rule_has_a_message_naming_a_field() -> None:

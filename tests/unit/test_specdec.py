@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+
 from spectrain_workloads.model import ModelConfig, Transformer
 from spectrain_workloads.rollout import RolloutConfig, RolloutEngine
 from spectrain_workloads.specdec import Sampling, to_probs, verify

@@ -12,7 +12,7 @@
   timestamps only, no extra collective: when a rank reaches a sync point (its compute for the step
   is done, or it needs a tensor a peer has not sent), the transfers it still waits for are
   expected to end at `expected_comm_end()` (the outstanding windows' starts + predictions, run
-  back to back). A watchdog thread is armed for that moment plus a slack; if the rank is still
+  overlapping). A watchdog thread is armed for that moment plus a slack; if the rank is still
   blocked then, the rest of the wait is a peer's lateness, and the Imbalance window opens at once.
   `sync_end()` closes it. Communication samples that overlapped an Imbalance window are not fed
   to the bandwidth EMA (they measured the peer, not the link); others are clamped to [1/2, 2] x
@@ -57,6 +57,7 @@ class Window:
     ring_id: int = 0
     local_id: int = 0
     imb_epoch: int = 0
+    slot: int = -1          # schedule slot of a Bubble
 
 
 class Instrument:
@@ -123,16 +124,20 @@ class Instrument:
                    "start_ns": w.start_ns, "predicted_ns": w.predicted_ns, "actual_ns": actual}
             if w.channel:
                 rec["channel"], rec["bytes"] = w.channel, w.nbytes
+            if w.slot >= 0:
+                rec["slot"] = w.slot
         if self.sink is not None:
             self.sink(rec)
         return rec
 
     # -- bubble ---------------------------------------------------------------------------------
-    def bubble_open(self, predicted_ns: float) -> Window | None:
-        """Open a scheduled bubble (predicted 0 until the stage has F/B measurements)."""
+    def bubble_open(self, predicted_ns: float, slot: int = -1) -> Window | None:
+        """Open scheduled bubble `slot` (predicted 0 until the stage has F/B measurements)."""
         if not self.enabled:
             return None
-        return self._open(BUBBLE, int(predicted_ns))
+        w = self._open(BUBBLE, int(predicted_ns))
+        w.slot = slot
+        return w
 
     def bubble_close(self, w: Window | None) -> None:
         if w is not None:
@@ -161,37 +166,35 @@ class Instrument:
         if contaminated or rec["actual_ns"] <= 0:
             return
         key = (w.channel, w.nbytes)
-        a = self.opts.ema_alpha
         sample = w.nbytes / rec["actual_ns"]
         with self._lock:
             old = self._bw.get(key)
             if old is None:
                 self._bw[key] = sample
             else:
+                # Faster towards higher bandwidth: slow samples are more often a late peer that
+                # went unnoticed than a slower link.
+                a = self.opts.ema_alpha if sample < old else min(1.0, 2 * self.opts.ema_alpha)
                 sample = min(max(sample, old / 2), old * 2)
                 self._bw[key] = (1 - a) * old + a * sample
 
-    def expected_comm_end(self, now: int | None = None) -> tuple[int, int]:
-        """(expected end ns of the outstanding transfers run back to back, their summed predictions)."""
+    def expected_comm_end(self, now: int | None = None) -> int:
+        """When the outstanding transfers are expected to be done: the latest start + prediction.
+
+        Transfers launched during the backward overlap it and each other, so the latest end (not
+        their sum) is the model; a peer that has not caught up shows as a wait past it.
+        """
         now = time.monotonic_ns() if now is None else now
         with self._lock:
-            ws = sorted(self._outstanding.values(), key=lambda w: w.start_ns)
-        end, total = 0, 0
-        for w in ws:
-            end = max(end, w.start_ns) + w.predicted_ns
-            total += w.predicted_ns
-        return max(end, now), total
+            ends = [w.start_ns + w.predicted_ns for w in self._outstanding.values()]
+        return max([now, *ends])
 
     # -- sync points / imbalance ----------------------------------------------------------------
     def sync_begin(self, extra_pred_ns: int = 0) -> None:
         """The rank has reached a sync point and is about to block on outstanding transfers."""
         if self._watch is None:
             return
-        now = time.monotonic_ns()
-        end, total = self.expected_comm_end(now)
-        end += extra_pred_ns
-        total += extra_pred_ns
-        self._watch.arm(end + max(self.opts.imbalance_min_ns, total // 2))
+        self._watch.arm(self.expected_comm_end() + extra_pred_ns + self.opts.imbalance_min_ns)
 
     def sync_end(self) -> None:
         """The wait is over: close the Imbalance window if the watchdog opened one."""

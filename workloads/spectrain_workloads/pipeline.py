@@ -43,7 +43,9 @@ from spectrain_workloads.schedule import Op, Schedule
 def make_comm_hook(instrument: Instrument) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
     """DDP comm hook: bucket all-reduce (mean) with a Communication window per bucket."""
 
-    def hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+    # No annotations on purpose: DDP checks them against the real classes, and this module's
+    # `from __future__ import annotations` turns them into strings.
+    def hook(group, bucket):  # type: ignore[no-untyped-def]
         buf = bucket.buffer()                       # flat [n] view of this bucket's gradients
         world = dist.get_world_size(group)
         buf.div_(world)                             # same maths as torch's allreduce_hook
@@ -198,7 +200,7 @@ class StageExecutor:
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         for a in self.actions:
             if a.op is Op.BUBBLE:
-                bubble = instr.bubble_open(preds[a.slot])
+                bubble = instr.bubble_open(preds[a.slot], a.slot)
                 continue
             i = a.mb
             if a.op is Op.F:

@@ -128,7 +128,7 @@ def sft_warmup(model: Transformer, task: Task, *, steps: int, batch: int = 32, l
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 class GRPOTrainer:
@@ -141,7 +141,8 @@ class GRPOTrainer:
     def __init__(self, policy: Transformer, task: Task, cfg: GRPOConfig, rollout: RolloutConfig, *,
                  drafter: nn.Module | None = None, drafter_arch: str | None = None, producer: Any = None,
                  stage: int = 0, on_window: Callable[[dict[str, Any]], None] | None = None,
-                 barrier: Callable[[], None] | None = None, grad_sync: Callable[[nn.Module], None] | None = None) -> None:
+                 barrier: Callable[[], None] | None = None, grad_sync: Callable[[nn.Module], None] | None = None,
+                 keep_hidden: bool = False) -> None:
         self.policy, self.task, self.cfg, self.rcfg = policy, task, cfg, rollout
         self.engine = RolloutEngine(policy, rollout, drafter, drafter_arch=drafter_arch)
         self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
@@ -149,6 +150,7 @@ class GRPOTrainer:
         self.rng = random.Random(cfg.seed)
         self.producer, self.stage, self.on_window = producer, stage, on_window
         self.barrier, self.grad_sync = barrier, grad_sync
+        self.keep_hidden = keep_hidden          # keep rollout hidden states in last_rollout (in-process drafters)
         self.step_idx = 0
         self.drafter_version: str | None = None
         self._tail_pred_ns = 0
@@ -199,7 +201,8 @@ class GRPOTrainer:
                     tail["published"] += 1
                 except ValueError:                     # ring.PayloadTooLarge: a slot cannot hold it
                     pass
-                res.hidden[i] = None                   # published: free it
+                if not self.keep_hidden:
+                    res.hidden[i] = None               # published: free it
 
         def on_finish(ids: list[int], res: RolloutResult) -> None:
             if not publish:
@@ -217,7 +220,7 @@ class GRPOTrainer:
                 send(tail["pending"], eng.result)
                 tail["pending"] = []
 
-        res = self.engine.generate(prompts, keep_hidden=publish, on_step=on_step, on_finish=on_finish)
+        res = self.engine.generate(prompts, keep_hidden=publish or self.keep_hidden, on_step=on_step, on_finish=on_finish)
         if self.barrier is not None:
             self.barrier()                              # waiting for slower ranks is tail idle time too
         if tail["wid"] is not None:
@@ -264,7 +267,7 @@ class GRPOTrainer:
         t2 = time.perf_counter()
         self.last_rollout = (exs, res)
         lens = [len(r) for r in res.responses]
-        out = StepResult(step=self.step_idx, reward_mean=float(rewards.mean()), loss=float(loss), kl=float(kl),
+        out = StepResult(step=self.step_idx, reward_mean=float(rewards.mean()), loss=float(loss.detach()), kl=float(kl),
                          rollout_s=t1 - t0, train_s=t2 - t1, step_s=t2 - t0, tokens=sum(lens),
                          response_len_mean=sum(lens) / len(lens), response_len_max=max(lens),
                          acceptance_length=res.stats.acceptance_length, spec_steps=res.stats.spec_steps,
@@ -329,7 +332,7 @@ class LMDistiller:
             loss.backward()
             self.opt.step()
         self.drafter.eval()
-        return float(loss)
+        return float(loss.detach())
 
 
 # ------------------------------------------------------------------------------------------ entry

@@ -139,8 +139,9 @@ class DraftController:
     ARMS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
     def __init__(self, *, max_draft: int, batch_threshold: int, strategy: str, ema: float = 0.3,
-                 prior_alpha: float = 0.6, prior_trials: float = 4.0) -> None:
+                 prior_alpha: float = 0.6, prior_trials: float = 4.0, margin: float = 1.05) -> None:
         self.max_draft, self.batch_threshold, self.strategy, self.ema = max_draft, batch_threshold, strategy, ema
+        self.margin = margin
         self.arms = sorted({k for k in self.ARMS if k <= max_draft} | {max_draft})
         self.step_s: dict[tuple[int, int], float] = {}     # (bucket, k) -> EMA seconds per decode step
         self.fwd_s: dict[str, dict[int, float]] = {"target": {}, "draft": {}}   # tokens -> EMA seconds
@@ -167,7 +168,8 @@ class DraftController:
             return 0
         values = {k: self.expected_tokens(k) / max(self._step_estimate(bucket, k), 1e-9)
                   for k in [0, *self.arms]}
-        return max(values, key=lambda k: (values[k], -k))
+        best = max(values, key=lambda k: (values[k], -k))
+        return best if values[best] > self.margin * values[0] else 0   # noisy timings: plain unless clearly worse
 
     def _step_estimate(self, bucket: int, k: int) -> float:
         if (bucket, k) in self.step_s:
@@ -278,6 +280,7 @@ class RolloutEngine:
         self.graphs = _CudaGraphs() if cfg.cuda_graphs and self.device.type == "cuda" else None
         self.drafter: DraftAdapter | None = None
         self._alloc: tuple[int, int] = (0, 0)            # (batch, cache_len) the caches were set up for
+        self._kv: list[KVCache] = []
         self.set_drafter(drafter, drafter_arch)
 
     def set_drafter(self, drafter: nn.Module | DraftAdapter | None, arch: str | None = None) -> None:
@@ -289,8 +292,13 @@ class RolloutEngine:
             self.graphs.drop("d")
 
     # ---- buffers: base tensors allocated once per (batch, cache_len); the live batch is a prefix view
+    def _modules_kv(self) -> list[KVCache]:
+        mods = [self.target] + ([self.drafter.module] if self.drafter is not None else [])
+        return [m for mod in mods for m in mod.modules() if isinstance(m, KVCache)]
+
     def _setup(self, batch: int, cache_len: int) -> None:
-        if batch > self._alloc[0] or cache_len > self._alloc[1]:
+        stale = self._alloc == (0, 0) or [id(m) for m in self._modules_kv()] != [id(m) for m in self._kv]
+        if stale or batch > self._alloc[0] or cache_len > self._alloc[1]:   # stale: another engine set them up
             if cache_len > self.target.cfg.max_seq_len:
                 raise ConfigError(
                     f"prompt + rl.maxNewTokens + maxDraftTokens + 2 = {cache_len} exceeds the model's "
@@ -301,8 +309,7 @@ class RolloutEngine:
             self._alloc = (batch, cache_len)
             if self.graphs is not None:
                 self.graphs = _CudaGraphs()
-            mods = [self.target] + ([self.drafter.module] if self.drafter is not None else [])
-            self._kv = [m for mod in mods for m in mod.modules() if isinstance(m, KVCache)]
+            self._kv = self._modules_kv()
             self._kv_base = [(kv.k, kv.v) for kv in self._kv]
             H, dt = self.target.cfg.dim, next(self.target.parameters()).dtype
             self._tok_base = torch.zeros(batch, cache_len, dtype=torch.long, device=self.device)

@@ -133,15 +133,17 @@ class SyntheticTarget:
         from spectrain_workloads.ring import WindowKind
 
         dur = w.duration_ms * (1 + self.rng.uniform(-w.jitter, w.jitter)) if w.jitter else w.duration_ms
+        start = time.monotonic_ns()      # the ring record carries exactly these timestamps
+        predicted = int(dur * 1e6) if w.predicted else 0
         wid = self.producer.window_start(WindowKind.from_api_name(w.kind), stage=0, step=self.step,
-                                         predicted_duration_ns=int(dur * 1e6) if w.predicted else 0)
-        start = time.monotonic_ns()
+                                         predicted_duration_ns=predicted, start_ns=start)
         deadline = start + int(dur * 1e6)
         while (left := deadline - time.monotonic_ns()) > 0:
             time.sleep(left / 1e9)
-        self.producer.window_end(wid)
+        end = time.monotonic_ns()
+        self.producer.window_end(wid, end_ns=end)
         rec = {"window_id": wid, "kind": w.kind, "stage": 0, "step": self.step, "start_ns": start,
-               "predicted_ns": int(dur * 1e6) if w.predicted else 0, "actual_ns": time.monotonic_ns() - start}
+               "predicted_ns": predicted, "actual_ns": end - start}
         self.windows_log.write(json.dumps(rec) + "\n")
         return rec
 

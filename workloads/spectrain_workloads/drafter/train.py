@@ -38,7 +38,7 @@ class DrafterTrainer:
             self.model.load_target_weights(target.embedding, target.lm_head)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
-        self.verifier = Verifier(k=settings.verify_k)
+        self.verifier = Verifier(k=settings.verify_k, max_starts=2)   # small chunks fit short windows
 
     @property
     def eagle(self) -> bool:

@@ -27,7 +27,7 @@ from spectrain_workloads.drafter.combiner import (
     SampleBuffer,
     micro_key,
 )
-from spectrain_workloads.drafter.gating import UNIT_KEY, CostModel, Gate, WindowTracker
+from spectrain_workloads.drafter.gating import UNIT_KEY, Budget, CostModel, Gate, WindowTracker
 from spectrain_workloads.drafter.metrics import NO_WINDOW, Metrics, write_summary
 from spectrain_workloads.drafter.models import load_target_shared, shared_stamp
 from spectrain_workloads.drafter.settings import DrafterSettings
@@ -213,19 +213,28 @@ class Worker:
                 self.buffer.add(sample)
 
     # ------------------------------------------------------------ work inside windows
-    def _next_task(self, budget_ns: int) -> tuple[str, Any, int | None, int] | None:
-        """(task, cost key, predicted cost, micro-batch) of the next task, or None when idle."""
-        if self.combiner.step_due():
-            return "optim", OPTIM_KEY, self.cost.estimate(OPTIM_KEY), 0
+    def _next_task(self, budget: Budget, starting: bool) -> tuple[str, Any, int | None, int] | None:
+        """(task, cost key, predicted cost, micro-batch) of the first task that fits, or None.
+
+        Priority: a due optimizer step, then a due verification chunk, then training. A task
+        that does not fit does not block the ones after it (a long verification chunk must not
+        starve training in short windows).
+        """
         tr = self.trainer
         assert tr is not None
+        candidates: list[tuple[str, Any, int | None, int]] = []
+        if self.combiner.step_due():
+            candidates.append(("optim", OPTIM_KEY, self.cost.estimate(OPTIM_KEY), 0))
         due = time.monotonic() - self._last_verify >= self.s.verify_every_s and self.buffer.eval_fresh() > 0
         if tr.verifier.in_progress or due:
-            return "verify", VERIFY_KEY, self.cost.estimate(VERIFY_KEY), 0
-        plan = self.combiner.plan(budget_ns, self.buffer.trainable())
-        if plan is None:
-            return None
-        return "train", micro_key(plan.micro_batch), plan.cost_ns, plan.micro_batch
+            candidates.append(("verify", VERIFY_KEY, self.cost.estimate(VERIFY_KEY), 0))
+        plan = self.combiner.plan(budget.remaining_ns, self.buffer.trainable())
+        if plan is not None:
+            candidates.append(("train", micro_key(plan.micro_batch), plan.cost_ns, plan.micro_batch))
+        for task in candidates:
+            if self.gate.allows(budget, task[2], starting=starting):
+                return task
+        return None
 
     def _work(self) -> bool:
         """Run tasks while the gate allows; True if at least one ran."""
@@ -239,14 +248,12 @@ class Worker:
             now = time.monotonic_ns()
             budget = self.gate.budget(now)
             wid = budget.window.window_id if budget.window else NO_WINDOW
-            task = self._next_task(budget.remaining_ns)
+            task = self._next_task(budget, starting=wid not in started)
             if task is None:
                 if not self.buffer.trainable() and self.state != "Waiting":
                     self._set_state("Waiting", "NoData")
                 break
             name, key, cost, b = task
-            if not self.gate.allows(budget, cost, starting=wid not in started):
-                break
             if wid not in started and self.state != "Active":
                 self._set_state("Active", "")
             started.add(wid)

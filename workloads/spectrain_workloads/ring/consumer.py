@@ -266,6 +266,11 @@ class RingConsumer:
         self._check_resync()
         return self._q[_Q_STATE] == L.STATE_READY and self.heartbeat_age_s() <= max_age_s
 
+    def producer_closed(self) -> bool:
+        """True once the producer closed the ring cleanly (everything it published is readable)."""
+        self._check_resync()
+        return bool(self._q[_Q_STATE] == L.STATE_CLOSED)
+
     def check_alive(self, max_age_s: float = 1.0) -> None:
         """Raise ProducerDead (with the heartbeat's age) unless producer_alive(max_age_s)."""
         if not self.producer_alive(max_age_s):
@@ -314,12 +319,15 @@ class RingConsumer:
         deadline = time.monotonic() + timeout_s
         spin = self.spin if spin is None else spin
         while True:
+            mapping = self._m
             seen = self._u32[_I_NOTIFY]  # before reading: a publish after this changes the word
             if sync.SEQ_FENCE is not None:
                 sync.SEQ_FENCE()
             got = read()
             if got:
                 return got
+            if self._m is not mapping:
+                continue  # resynced to a new file: `seen` belongs to the old one
             if raise_if_dead:
                 self.check_alive(max_age_s)
             else:

@@ -22,7 +22,7 @@ from spectrain_workloads.ring import layout as L
 from spectrain_workloads.ring import sync
 from spectrain_workloads.ring.errors import PayloadTooLarge, RingError
 from spectrain_workloads.ring.mapping import Mapping, create_file
-from spectrain_workloads.ring.records import BackMessage, WindowKind
+from spectrain_workloads.ring.records import KINDS_BY_VALUE, BackMessage, WindowKind
 
 _Q_HEARTBEAT = L.H_HEARTBEAT >> 3
 _Q_WINDOW_HEAD = L.H_WINDOW_HEAD >> 3
@@ -33,7 +33,30 @@ _I_NOTIFY = L.H_NOTIFY >> 2
 _I_WAITERS = L.H_WAITERS >> 2
 _NO_SHAPE = (0,) * L.MAX_NDIM
 _MAX_OPEN_WINDOWS = 1 << 16
+_CO_ALIGN_MIN_BYTES = 1 << 16
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _place(meta_len: int, arrays: list[tuple[bytes, bytes, np.ndarray]], *, co_align: bool
+           ) -> tuple[list[tuple[bytes, bytes, np.ndarray, int]], int]:
+    """Offsets of the arrays in a slot's payload (after the meta JSON) and the bytes used.
+
+    Arrays start on a cache line; with co_align, a large contiguous array starts at the same
+    offset within its cache line as its source: memcpy (rep movsb / vector loops) runs ~1.5x
+    faster on co-aligned buffers (bench-ring). Slot payloads are 64-B aligned, so the offset alone
+    decides, and dtype alignment is kept whenever the source has it."""
+    plan = []
+    pos, end = L.round_up(meta_len, L.ALIGN), meta_len
+    for raw_name, dtype, a in arrays:
+        at = pos
+        if co_align and a.nbytes >= _CO_ALIGN_MIN_BYTES and a.flags.c_contiguous:
+            src_mod = a.__array_interface__["data"][0] % L.ALIGN
+            if src_mod % a.itemsize == 0:
+                at = pos + src_mod
+        plan.append((raw_name, dtype, a, at))
+        end = at + a.nbytes
+        pos = L.round_up(end, L.ALIGN)
+    return plan, end
 
 
 class RingProducer:
@@ -98,6 +121,8 @@ class RingProducer:
     def window_start(self, kind: WindowKind | int, *, stage: int, step: int, predicted_duration_ns: int = 0,
                      flags: int = 0, start_ns: int | None = None) -> int:
         """Publish the start of an idle window; returns its window_id (unique across restarts)."""
+        if kind not in KINDS_BY_VALUE:
+            raise ValueError(f"window kind {kind!r} is not a WindowKind ({', '.join(k.name for k in WindowKind)})")
         self._wid_next += 1
         wid = self._wid_base | self._wid_next
         start = time.monotonic_ns() if start_ns is None else start_ns
@@ -158,9 +183,7 @@ class RingProducer:
         meta_raw = _ENCODE(meta).encode()
         if len(arrays) > L.MAX_ARRAYS:
             raise PayloadTooLarge(f"{len(arrays)} arrays in one data record; the ring holds at most {L.MAX_ARRAYS}")
-        plan = []
-        pos = L.round_up(len(meta_raw), L.ALIGN)
-        end = len(meta_raw)
+        checked = []
         for name, value in arrays.items():
             a = value if type(value) is np.ndarray else np.asarray(value)
             if a.dtype.hasobject or a.ndim > L.MAX_NDIM:
@@ -169,9 +192,10 @@ class RingProducer:
             raw_name, dtype = name.encode(), a.dtype.str.encode()
             if len(raw_name) > 40 or len(dtype) > 16:
                 raise ValueError(f"array name {name!r} longer than 40 bytes (or dtype {a.dtype.str} unsupported)")
-            plan.append((raw_name, dtype, a, pos))
-            end = pos + a.nbytes
-            pos = L.round_up(end, L.ALIGN)
+            checked.append((raw_name, dtype, a))
+        plan, end = _place(len(meta_raw), checked, co_align=True)
+        if end > self._dcap:
+            plan, end = _place(len(meta_raw), checked, co_align=False)  # the co-alignment padding is optional
         if end > self._dcap:
             raise PayloadTooLarge(f"data record needs {end} bytes (meta {len(meta_raw)} + arrays, 64-B aligned) but "
                                   f"RingLayout.data_slot_bytes is {self._dcap}: raise data_slot_bytes (and "
@@ -191,7 +215,7 @@ class RingProducer:
             for k, (raw_name, dtype, a, at) in enumerate(plan):
                 start = payload + at
                 if a.flags.c_contiguous:  # the one copy: a plain memcpy from the array's buffer
-                    mm[start:start + a.nbytes] = a.reshape(-1).view(np.uint8) if a.ndim != 1 or a.itemsize != 1 else a
+                    mm[start:start + a.nbytes] = a  # type: ignore[call-overload]  # exports a simple buffer
                 elif a.nbytes:  # strided source: numpy gathers it straight into the slot (still one copy)
                     np.copyto(u8[start:start + a.nbytes].view(a.dtype).reshape(a.shape), a, casting="no")
                 shape = tuple(a.shape) + _NO_SHAPE[a.ndim:]
@@ -255,6 +279,8 @@ class RingProducer:
 
     def _notify_readers(self) -> None:
         u32 = self._u32
+        if sync.SEQ_FENCE is not None:
+            sync.SEQ_FENCE()  # head before notify: a reader that sees the new notify must see the head
         self._q[_Q_HEARTBEAT] = time.monotonic_ns()
         self._notify = n = (self._notify + 1) & 0xFFFFFFFF
         u32[_I_NOTIFY] = n

@@ -1,0 +1,138 @@
+"""The drafter sidecar as a real process next to a synthetic target (real ring, real data).
+
+Checked from timestamps in the drafter's activity log against the target's window log: busy
+only inside windows, overrun bounded by the last task, nothing in windows shorter than the
+unit or of kinds not in activation.kinds, open-ended windows used once history exists; SIGTERM
+flushes a checkpoint + export; SIGKILL leaves a complete checkpoint that a restart resumes from.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from spectrain_workloads.drafter.export import load_drafter
+from spectrain_workloads.drafter.models import EagleDrafter, build_drafter
+from spectrain_workloads.drafter.settings import DrafterSettings
+from spectrain_workloads.drafter.synthetic import SyntheticSpec, WindowSpec, target_hidden, text_sequences
+from spectrain_workloads.drafter.verify import measure
+from tests.integration.drafter_procs import TARGET_CFG, Pod, drive, synthetic_target
+
+pytestmark = pytest.mark.integration
+torch.set_num_threads(1)
+
+MS = 1_000_000
+SLACK_NS = 3 * MS     # poll-to-start latency and clock reads around a task, on a loaded machine
+
+SCHEDULE = SyntheticSpec(
+    windows=[
+        WindowSpec(kind="Bubble", duration_ms=30.0),                                  # predicted, long
+        WindowSpec(kind="Communication", duration_ms=0.3),                            # shorter than any unit
+        WindowSpec(kind="RolloutTail", duration_ms=30.0),                             # kind filtered out
+        WindowSpec(kind="Imbalance", duration_ms=25.0, predicted=False, jitter=0.2),  # open-ended
+    ],
+    compute_ms=4.0, data_per_step=2, seq_len=64, seed=0)
+KINDS = ["Bubble", "Communication", "Imbalance"]
+
+
+def test_drafter_works_only_inside_usable_windows_and_flushes_on_sigterm(tmp_path: Path) -> None:
+    pod = Pod(tmp_path, drafter={"activation": {"kinds": KINDS, "safetyMarginMs": 1}},
+              settings={"checkpoint_every_s": 2.0, "verify_every_s": 1.0})
+    target = synthetic_target(pod, SCHEDULE)
+    proc = pod.start_drafter()
+    try:
+        setup = drive(target, lambda: pod.of("setup"), 60, "the drafter's setup", proc)[0]
+        drive(target, lambda: sum(e["microsteps"] for e in pod.of("work")) >= 150 and pod.of("acceptance"),
+              60, "150 micro-steps and a verification", proc)
+        t_stop = time.monotonic()
+        assert pod.stop_drafter(signal.SIGTERM) == 0
+        assert time.monotonic() - t_stop < 20, "SIGTERM must be handled well inside the grace period"
+    finally:
+        pod.kill()
+        target.close()
+
+    windows = pod.windows()
+    work = pod.of("work")
+    unit_ns = setup["unit_ns"]
+    assert unit_ns > 0.3 * MS
+    kinds_worked = set()
+    for rec in work:
+        w = windows.get(rec["window_id"])
+        assert w is not None, f"work outside any window: {rec}"
+        end = w["start_ns"] + w["actual_ns"]
+        assert rec["start_ns"] >= w["start_ns"], "started before the window opened"
+        assert rec["end_ns"] - end <= rec["last_task_ns"] + SLACK_NS, "overran by more than one task"
+        assert rec["overrun_ns"] == max(0, rec["end_ns"] - end)
+        assert w["actual_ns"] >= unit_ns, "worked in a window shorter than the unit"
+        assert w["kind"] in KINDS and w["kind"] != "Communication"
+        assert rec["busy_ns"] <= rec["end_ns"] - rec["start_ns"]
+        kinds_worked.add(w["kind"])
+    assert kinds_worked == {"Bubble", "Imbalance"}, "predicted and open-ended windows are both used"
+
+    summary = pod.summary()
+    assert summary["reason"] == "Stopped" and summary["windowsWorked"] == len(work)
+    assert 0 < summary["harvestEfficiency"] <= 1 and summary["harvestedSecondsByKind"].get("RolloutTail", 0) == 0
+    assert summary["acceptanceLength"] >= 1.0 and summary["optimizerSteps"] >= 1
+    last_ckpt = pod.of("checkpoint")[-1]
+    assert last_ckpt["why"] == "shutdown" and summary["version"] == last_ckpt["version"]
+
+    # The export is loadable and the drafter learnt: clearly above an untrained one on fresh text.
+    drafter, meta = load_drafter(pod.run_dir / "drafter")
+    assert meta["version"] == last_ckpt["version"] and meta["arch"] == "Eagle"
+    tokens = text_sequences(6, 64, seed=99)
+    hidden = target_hidden(target.model, tokens)
+    fresh = build_drafter(DrafterSettings(seed=7), TARGET_CFG)
+    assert isinstance(fresh, EagleDrafter)
+    fresh.load_target_weights(drafter.embed.weight, drafter.lm_head.weight)
+    data = [(tokens[i], hidden[i]) for i in range(6)]
+    trained_acc, untrained_acc = measure(drafter, data, None, k=4), measure(fresh, data, None, k=4)
+    assert trained_acc.top1 > untrained_acc.top1 + 0.1, (trained_acc.to_dict(), untrained_acc.to_dict())
+
+
+def test_sigkill_leaves_a_complete_checkpoint_and_the_restart_resumes(tmp_path: Path) -> None:
+    spec = SyntheticSpec(windows=[WindowSpec(kind="Bubble", duration_ms=30.0)], compute_ms=4.0, seq_len=64)
+    pod = Pod(tmp_path, settings={"checkpoint_every_s": 0.3})
+    target = synthetic_target(pod, spec)
+    try:
+        proc = pod.start_drafter()
+        ckpts = drive(target, lambda: [c for c in pod.of("checkpoint") if c["version"] >= 3], 90,
+                      "three checkpoints", proc)
+        # keep training a little past the checkpoint, then kill without warning
+        drive(target, lambda: pod.of("work")[-1]["end_ns"] > ckpts[0]["t_ns"], 30, "more work", proc)
+        pod.stop_drafter(signal.SIGKILL)
+        newest = max(c["version"] for c in pod.of("checkpoint"))
+        steps_at_newest = [c for c in pod.of("checkpoint") if c["version"] == newest][0]["optimizer_steps"]
+        before = len(pod.of("setup"))
+        proc = pod.start_drafter()
+        setup = drive(target, lambda: pod.of("setup")[before:], 60, "the restarted drafter's setup", proc)[0]
+        assert setup["resumed_version"] == newest
+        later = drive(target, lambda: [c for c in pod.of("checkpoint") if c["version"] > newest], 60,
+                      "a checkpoint after the restart", proc)[0]
+        assert later["optimizer_steps"] > steps_at_newest      # counting on from the resumed state
+        assert pod.stop_drafter(signal.SIGTERM) == 0
+    finally:
+        pod.kill()
+        target.close()
+    assert not [p for p in (pod.run_dir / "drafter" / "rank-0").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_disabled_drafter_stays_up_idle_and_says_so(tmp_path: Path) -> None:
+    spec = SyntheticSpec(windows=[WindowSpec(kind="Bubble", duration_ms=20.0)], compute_ms=2.0, seq_len=32)
+    pod = Pod(tmp_path, env={"SPECTRAIN_DRAFTER_ENABLED": "0"})
+    target = synthetic_target(pod, spec)
+    try:
+        proc = pod.start_drafter()
+        back = drive(target, target.latest_back, 60, "a back-channel message", proc)
+        assert back["state"] == "Disabled"
+        for _ in range(20):
+            target.run_step()
+        assert proc.poll() is None, "a native sidecar that exits is restarted by the kubelet"
+        assert pod.stop_drafter(signal.SIGTERM) == 0
+    finally:
+        pod.kill()
+        target.close()
+    assert not pod.of("work") and pod.summary()["state"] == "Disabled"

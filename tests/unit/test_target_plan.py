@@ -1,0 +1,123 @@
+"""Target trainer pieces that need no peers: schedules, data loader, config checks, checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from spectrain_workloads.config import JobConfig, Parallelism, TargetSpec
+from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus, resolve_source
+from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.schedule import Op, Schedule, simulate
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 3)])
+def test_schedule_idles_the_formula_and_slots_are_structural(name: str, p: int, m: int) -> None:
+    s = Schedule(name=name, n_stages=p, microbatches=m)
+    for tf, tb in [(1.0, 2.0), (1.0, 1.0), (2.0, 1.5), (1.0, 3.0)]:
+        tl = simulate(s.orders, tf, tb)
+        for k in range(p):
+            idle = sum(tl.gaps[k]) + tl.trailing[k]
+            assert idle / tl.step_end == pytest.approx(s.formula_bubble_fraction())
+            # bubble slots sit where the simulation idles, whatever the F/B ratio
+            assert [i for i, g in enumerate(tl.gaps[k]) if g > 1e-9 or (i == 0 and tl.trailing[k] > 1e-9)] \
+                == s.bubble_positions(k)
+            preds = s.bubble_predictions(k, tf, tb, first_step=False)
+            assert sum(preds) == pytest.approx(idle)
+    for k in range(p):
+        acts = s.stage_actions(k)
+        assert [a.mb for a in acts if a.op is Op.F] == list(range(m))
+        assert sorted(a.mb for a in acts if a.op is Op.B) == list(range(m))
+        slots = [a.slot for a in acts if a.op is Op.BUBBLE]
+        assert slots == list(range(len(slots)))
+        assert (len(slots) > 0) == (p > 1)
+
+
+def test_1f1b_action_list_p2_m4() -> None:
+    s = Schedule(name="1F1B", n_stages=2, microbatches=4)
+    assert repr(s.stage_actions(0)) == "[F0, F1, BUBBLE0, B0, F2, B1, F3, B2, BUBBLE1, B3]"
+    assert repr(s.stage_actions(1)) == "[BUBBLE0, F0, B0, F1, B1, F2, B2, F3, B3]"
+    assert s.last_backward(0) == 3
+
+
+def test_schedule_rejects_bad_values() -> None:
+    with pytest.raises(ConfigError, match="microbatches"):
+        Schedule(name="1F1B", n_stages=4, microbatches=2)
+    with pytest.raises(ConfigError, match="schedule 'Zigzag'"):
+        Schedule(name="Zigzag", n_stages=2, microbatches=2)
+
+
+def test_loader_is_deterministic_sharded_resumable_and_skewable(tmp_path) -> None:
+    corpus = load_corpus("builtin:python-stdlib", max_bytes=1 << 18)
+    assert corpus.dtype == np.uint16 and corpus.size == 1 << 18
+    specs = [LoaderSpec(seq_len=16, batch_size=4, data_parallel=2, replica=r, seed=3) for r in (0, 1)]
+    a, b = TokenLoader(corpus, specs[0]), TokenLoader(corpus, specs[1])
+    x0, y0 = a.batch(5)
+    x1, _ = b.batch(5)
+    assert x0.shape == (4, 16) and (x0[:, 1:] == y0[:, :-1]).all()
+    assert not any((x0[i] == x1[j]).all() for i in range(4) for j in range(4))   # disjoint shards
+    first = [next(a)[0] for _ in range(3)]
+    resumed = TokenLoader(corpus, specs[0])
+    resumed.load_state_dict({"step": 2})
+    assert (next(resumed)[0] == first[2]).all() and a.state_dict() == {"step": 3}
+    skewed = [TokenLoader(corpus, dataclasses.replace(s, skew=4.0)) for s in specs]
+    assert [sk.batch(0)[0].shape[1] for sk in skewed] == [16, 8]    # step 0: replica 0 is the slow one
+    assert [sk.batch(1)[0].shape[1] for sk in skewed] == [8, 16]
+
+
+def test_data_sources(tmp_path, monkeypatch) -> None:
+    (tmp_path / "claim" / "txt").mkdir(parents=True)
+    (tmp_path / "claim" / "txt" / "a.txt").write_text("hello world\n" * 200)
+    monkeypatch.setenv("SPECTRAIN_DATA_ROOT", str(tmp_path))
+    assert load_corpus("pvc://claim/txt").size == 2400 + 1
+    assert load_corpus(f"file://{tmp_path}/claim/txt/a.txt").size == 2401
+    for bad, msg in [(f"file://{tmp_path}/nope", "does not exist"), ("builtin:wikipedia", "unknown builtin"),
+                     ("s3://bucket/x", "use builtin"), ("file://relative/dir", "absolute")]:
+        with pytest.raises(ConfigError, match=msg) as info:
+            resolve_source(bad)
+        assert "spec.target.data.source" in str(info.value)
+
+
+def _cfg(**par: int) -> JobConfig:
+    return JobConfig(target=TargetSpec(parallelism=Parallelism(**{"schedule": "1F1B", **par})))
+
+
+def test_bad_input_is_a_config_error_naming_the_field(tmp_path) -> None:
+    from spectrain_workloads.trainer import make_plan
+
+    plan = make_plan(_cfg(data=1, pipeline=2, microbatches=4), 2)
+    assert plan.pipeline == 2 and plan.model.n_layers == 4
+    cases = [
+        (_cfg(data=2, pipeline=2, microbatches=4), 2, r"spec\.target\.parallelism: data \(2\) x pipeline \(2\)"),
+        (_cfg(data=1, pipeline=3, microbatches=4), 3, r"pipeline \(3\) must divide the model's n_layers \(4"),
+    ]
+    unknown = _cfg(data=1, pipeline=1)
+    unknown.target.model.preset = "huge"
+    cases.append((unknown, 1, r"model.preset 'huge' is unknown"))
+    unreadable = _cfg(data=1, pipeline=1)
+    unreadable.target.data.source = f"file://{tmp_path}/missing"
+    cases.append((unreadable, 1, r"spec\.target\.data\.source .* does not exist"))
+    odd = _cfg(data=1, pipeline=2, microbatches=3)
+    odd.target.data.batch_size = 8
+    cases.append((odd, 2, r"batchSize \(8\) must be a multiple of .*microbatches \(3\)"))
+    for cfg, world, msg in cases:
+        with pytest.raises(ConfigError, match=msg):
+            make_plan(cfg, world)
+
+
+def test_checkpoints_are_atomic_and_keep_last_n(tmp_path) -> None:
+    import torch
+
+    from spectrain_workloads.checkpoint import CheckpointManager
+
+    mgr = CheckpointManager(tmp_path, rank=1, keep=2)
+    (mgr.dir / ".tmp-step-9-999999").mkdir(parents=True)       # a killed save's leftover
+    for step in (2, 4, 6):
+        mgr.save(step, {"step": step, "w": torch.full((3,), float(step))})
+    assert mgr.steps() == [4, 6] and not list(mgr.dir.glob(".tmp-*"))
+    assert torch.equal(mgr.load(6)["w"], torch.full((3,), 6.0))
