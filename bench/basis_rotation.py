@@ -54,8 +54,8 @@ class Setup:
 
 QUICK = Setup(dim=32, n_layers=8, n_heads=2, seq_len=32, batch=8, budget=200, eval_every=10, eval_batches=8,
               lr=3e-3, refresh_every=10, cap=2.0, data_bytes=2 << 20, seeds=(0,), stages=(1, 8))
-FULL = Setup(dim=64, n_layers=8, n_heads=4, seq_len=64, batch=16, budget=400, eval_every=10, eval_batches=8,
-             lr=3e-3, refresh_every=10, cap=3.0, data_bytes=8 << 20, seeds=(0,), stages=(1, 4, 8))
+FULL = Setup(dim=48, n_layers=8, n_heads=4, seq_len=64, batch=16, budget=300, eval_every=10, eval_batches=4,
+             lr=3e-3, refresh_every=10, cap=2.5, data_bytes=8 << 20, seeds=(0, 1), stages=(1, 4, 8))
 OPTIMIZERS = ("adamw", "pipedream_lr", "basis_rotation", "basis_rotation_stage_aware")
 
 
@@ -110,14 +110,6 @@ class Task:
         return res.evals
 
 
-def loss_at(curve: list[tuple[int, float]], step: float) -> float:
-    """Held-out loss at `step`, linearly interpolated."""
-    for (s0, l0), (s1, l1) in zip(curve, curve[1:]):
-        if s0 <= step <= s1:
-            return l0 + (l1 - l0) * (step - s0) / (s1 - s0)
-    raise ValueError(f"step {step} outside the curve")
-
-
 def iterations_to(curve: list[tuple[int, float]], target: float) -> tuple[float, bool]:
     """(first interpolated update count with loss <= target, reached?)."""
     prev = (0, float("inf"))
@@ -151,8 +143,8 @@ def step_overhead(task: Task, reps: int) -> tuple[float, float]:
             if r >= 3:                                                   # skip warm-up (first refresh)
                 full[n].append(t2 - t0)
                 only[n].append(t2 - t1)
-    ratio = statistics.median(b / a for a, b in zip(full["adamw"], full["basis_rotation"]))
-    ratio_opt = statistics.median(b / a for a, b in zip(only["adamw"], only["basis_rotation"]))
+    ratio = statistics.median(b / a for a, b in zip(full["adamw"], full["basis_rotation"], strict=True))
+    ratio_opt = statistics.median(b / a for a, b in zip(only["adamw"], only["basis_rotation"], strict=True))
     return ratio, ratio_opt
 
 

@@ -173,7 +173,7 @@ class Conditions:
         value = "True" if status else "False"
         old = self.items.get(type_)
         since = self.now if old is None or old.get("status") != value else old.get("lastTransitionTime", self.now)
-        self.items[type_] = {"type": type_, "status": value, "reason": reason, "message": message[:2000],
+        self.items[type_] = {"type": type_, "status": value, "reason": reason, "message": (message or reason)[:2000],
                              "lastTransitionTime": since,
                              "observedGeneration": self.generation}
 
@@ -255,7 +255,7 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
         "podsCreated": old.get("podsCreated") is True,
         "drafterDisabled": old.get("drafterDisabled") is True,
         "drafterFailures": _nonneg_int(old.get("drafterFailures")),
-        "lastFailure": old["lastFailure"][:2000] if isinstance(old.get("lastFailure"), str) else "",
+        "lastFailure": old["lastFailure"][:2000] if isinstance(old.get("lastFailure"), str) else None,
         "startTime": fmt_time(t) if (t := parse_time(old.get("startTime"))) else None,
         "completionTime": fmt_time(t) if (t := parse_time(old.get("completionTime"))) else None,
     }
@@ -395,6 +395,11 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
     elif phase not in TERMINAL and (deadline := run_policy.get("activeDeadlineSeconds")) and st["startTime"]:
         left = (parse_time(st["startTime"]) + timedelta(seconds=deadline) - now).total_seconds()  # type: ignore[operator]
         plan.requeue(left)
+    # Empty strings and nulls are left out: the status only holds what is known.
+    for key in [k for k, v in st.items() if v is None or v == ""]:
+        del st[key]
+    if not st["drafter"].get("artifact"):
+        st["drafter"].pop("artifact", None)
     return plan
 
 

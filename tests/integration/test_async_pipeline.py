@@ -54,7 +54,7 @@ def _worker(rank: int, source: str, root: str, ports: list[int]) -> None:
                       GLOO_SOCKET_IFNAME="lo")
     os.environ.pop("SPECTRAIN_RING_DIR", None)
     phases = [("async", STEPS, None), ("sync", STEPS, 0), ("resumed", STEPS // 2, None), ("resumed", STEPS, None)]
-    for port, (name, steps, cap) in zip(ports, phases):
+    for port, (name, steps, cap) in zip(ports, phases, strict=True):
         os.environ.update(MASTER_PORT=str(port), SPECTRAIN_RUN_DIR=str(Path(root) / name))
         ap.run(_cfg(source, steps), max_staleness=cap)
 

@@ -45,7 +45,7 @@ def test_drafter_works_only_inside_usable_windows_and_flushes_on_sigterm(tmp_pat
     target = synthetic_target(pod, SCHEDULE)
     proc = pod.start_drafter()
     try:
-        setup = drive(target, lambda: pod.of("setup"), 60, "the drafter's setup", proc)[0]
+        calibrated = drive(target, lambda: pod.of("calibrated"), 60, "the drafter's calibration", proc)[0]
         drive(target, lambda: sum(e["microsteps"] for e in pod.of("work")) >= 150 and pod.of("acceptance"),
               60, "150 micro-steps and a verification", proc)
         t_stop = time.monotonic()
@@ -57,7 +57,7 @@ def test_drafter_works_only_inside_usable_windows_and_flushes_on_sigterm(tmp_pat
 
     windows = pod.windows()
     work = pod.of("work")
-    unit_ns = setup["unit_ns"]
+    unit_ns = calibrated["unit_ns"]
     assert unit_ns > 0.3 * MS
     kinds_worked = set()
     for rec in work:

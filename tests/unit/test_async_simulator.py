@@ -57,7 +57,7 @@ def test_staleness_zero_equals_synchronous_training(P: int, cap: int | None) -> 
     model = _model()
     res = simulate(model, _stage_opts(model, P), _batch, 5, max_staleness=cap)
     assert res.losses == ref_losses
-    for a, b in zip(ref.parameters(), model.parameters()):
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -83,14 +83,14 @@ def test_stale_stages_take_gradients_at_old_weights() -> None:
         loss = F.cross_entropy(probe(x).flatten(0, 1), y.flatten())
         loss.backward()
         losses.append(loss.item())
-        for (n, p), (_, q) in zip(ref.named_parameters(), probe.named_parameters()):
+        for (_, p), (_, q) in zip(ref.named_parameters(), probe.named_parameters(), strict=True):
             p.grad = q.grad
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
         prev0 = live0
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(losses), rtol=0, atol=1e-6)
-    for a, b in zip(ref.parameters(), model.parameters()):
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     # and staleness changes the trajectory
     assert res.losses != _sync_reference(steps)[0]

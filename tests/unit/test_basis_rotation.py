@@ -53,7 +53,7 @@ def test_identity_bases_give_adamw_bitwise() -> None:
     rot = BasisRotation(param_groups(b), lr=3e-3, weight_decay=0.1, warmup_steps=10**9)
     la, lb = _train(a, adamw, 6), _train(b, rot, 6)
     assert la == lb
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
     assert any("basis_left" in s for s in rot.state.values())
 
@@ -101,7 +101,7 @@ def test_state_dict_round_trip_resumes_bitwise(geometry: str, source: str) -> No
     opt_b = build_optimizer(b, spec, stage=0, n_stages=2)
     opt_b.load_state_dict(saved_opt)
     assert _train(b, opt_b, 5, seed=2) == cont
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
 
 

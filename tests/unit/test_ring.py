@@ -8,6 +8,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,6 +185,32 @@ def test_a_rejected_publish_leaves_the_ring_intact(pair: tuple[RingProducer, Rin
         p.window_start(9, stage=0, step=2)
     p.window_start(WindowKind.BUBBLE, stage=0, step=3)
     assert [e.step for e in c.poll_windows()] == [1, 3] and c.windows_missed == 0
+
+
+def test_windows_and_data_may_be_published_from_two_threads(pair: tuple[RingProducer, RingConsumer]) -> None:
+    p, c = pair
+    x = np.arange(256, dtype=np.float32)
+
+    def data() -> None:
+        for i in range(2000):
+            p.publish_data({"i": i}, {"x": x})
+
+    t = threading.Thread(target=data)
+    t.start()
+    steps: list[int] = []
+    data_seen = 0
+    for i in range(20_000):
+        p.window_start(WindowKind.COMMUNICATION, stage=0, step=i)
+        if i % 50 == 0:
+            steps.extend(e.step for e in c.poll_windows())
+            while c.next_data() is not None:
+                data_seen += 1
+    t.join()
+    steps.extend(e.step for e in c.poll_windows())
+    while c.next_data() is not None:
+        data_seen += 1
+    assert steps == list(range(20_000)) and c.windows_missed == 0
+    assert data_seen + c.data_dropped == 2000 == p.data_published
 
 
 def test_back_channel_gives_the_newest_message(ring: Path) -> None:

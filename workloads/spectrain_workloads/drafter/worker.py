@@ -44,6 +44,12 @@ def _tensor(arr: np.ndarray, dtype: str | None) -> torch.Tensor:
     return t
 
 
+def _prewarm() -> None:
+    """Pay torch's lazy imports (the optimizers pull in torch._dynamo: seconds on a busy CPU)
+    before waiting for the target, so the drafter is ready as soon as the target's weights are."""
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
+
 class Worker:
     def __init__(self, *, settings: DrafterSettings, rank: int, ring_path: Path, run_dir: Path,
                  export_dir: Path | None, device: torch.device, stop: threading.Event,
@@ -72,18 +78,22 @@ class Worker:
         self._stamp: tuple[int, ...] | None = None
         self._last: dict[str, float] = {}
         self._last_verify = time.monotonic()
-        self.ready_ns = 1 << 62          # when the trainer was ready to work (monotonic ns)
+        self.ready_ns = 1 << 62          # when the drafter was ready to work (monotonic ns)
+        self.calibrated = False
 
     # ------------------------------------------------------------ lifecycle
     def run(self) -> int:
         try:
             self._set_state(self.state, self.reason)
+            _prewarm()
             if not self._open_ring():
                 return 0
             if self.s.policy != "Off" and not self._setup_trainer():
                 return 0
             while not self.stop.is_set():
-                did = self._work() if self.trainer is not None else False
+                if self.trainer is not None and not self.calibrated and self.buffer.trainable():
+                    self._calibrate(self.trainer, self.buffer.train[-1].length)
+                did = self._work() if self.calibrated else False
                 if not did:
                     events = self.consumer.wait_windows(timeout_s=WAIT_S)
                     self._on_events(events)
@@ -148,21 +158,18 @@ class Worker:
             self.metrics.load_state_dict(resumed.get("metrics", {}))
             self.steps_at_ckpt = self.combiner.optimizer_steps
             self.artifact = resumed.get("artifact", "")
-        self._calibrate(trainer)
         self.trainer = trainer
-        self.ready_ns = time.monotonic_ns()
-        self.metrics.log("setup", resumed_version=resumed and self.version, setup_ns=time.monotonic_ns() - t0,
-                         unit_ns=self.gate.unit_ns(), memory_cap_samples=self.combiner.memory_cap_samples)
+        self.metrics.log("setup", resumed_version=resumed and self.version, setup_ns=time.monotonic_ns() - t0)
         self._set_state("Waiting", "NoData" if not self.buffer.trainable() else "NoWindow")
         return True
 
-    def _calibrate(self, trainer: DrafterTrainer) -> None:
-        """Measure the unit of work (and the verification chunk) before the first window.
+    def _calibrate(self, trainer: DrafterTrainer, length: int) -> None:
+        """Measure the unit of work (and the verification chunk) once data shows the sequence length.
 
-        One-off setup outside windows, on synthetic data: the first call pays lazy
+        One-off, outside windows, on synthetic data of that length: the first call pays lazy
         initialisation (allocator, kernels), so it is run and discarded before measuring.
         """
-        length = min(self.s.seq_cap, trainer.target_cfg.max_seq_len)
+        t0 = time.monotonic_ns()
         cap = trainer.memory_cap_samples(self.memory_cap_bytes, length)
         if cap is not None:
             self.combiner.memory_cap_samples = min(self.combiner.memory_cap_samples, cap)
@@ -180,6 +187,10 @@ class Worker:
             if i:
                 self.cost.observe(VERIFY_KEY, time.monotonic_ns() - t0)
         trainer.verifier.last, trainer.verifier.rounds = None, 0
+        self.calibrated = True
+        self.ready_ns = time.monotonic_ns()
+        self.metrics.log("calibrated", length=length, unit_ns=self.gate.unit_ns(), calibrate_ns=self.ready_ns - t0,
+                         memory_cap_samples=self.combiner.memory_cap_samples)
 
     # ------------------------------------------------------------ ring input
     def _on_events(self, events: list[Any]) -> None:

@@ -46,7 +46,7 @@ class PipeDreamLR(torch.optim.AdamW):
         try:
             loss = super().step(closure)
         finally:
-            for g, lr in zip(self.param_groups, outer):
+            for g, lr in zip(self.param_groups, outer, strict=True):
                 g["lr"] = lr
                 g["lr_step"] += 1
         return loss

@@ -8,6 +8,7 @@ syscall. The cost does not depend on readers in any other way: there is nothing 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -60,8 +61,9 @@ def _place(meta_len: int, arrays: list[tuple[bytes, bytes, np.ndarray]], *, co_a
 
 
 class RingProducer:
-    """Single writer of the window and data channels; reader of the back channel. Not thread-safe
-    (one publishing thread); a daemon thread only refreshes the heartbeat."""
+    """Writer of the window and data channels; reader of the back channel. Each channel needs a
+    single writer thread, but the window and the data channel may be published from two different
+    threads without a lock. A daemon thread refreshes the heartbeat."""
 
     def __init__(self, mapping: Mapping, heartbeat_interval_s: float) -> None:
         self._m = mapping
@@ -75,7 +77,7 @@ class RingProducer:
         self._rank = mapping.rank
         self._wseq = 0
         self._dseq = 0
-        self._notify = 0
+        self._notify = itertools.count(1)  # next() is atomic under the GIL: unique values per publish
         self._wid_base = (mapping.generation & 0xFFFFFFFF) << 32
         self._wid_next = 0
         self._open: dict[int, tuple[int, int, int, int, int, int]] = {}
@@ -282,8 +284,10 @@ class RingProducer:
         if sync.SEQ_FENCE is not None:
             sync.SEQ_FENCE()  # head before notify: a reader that sees the new notify must see the head
         self._q[_Q_HEARTBEAT] = time.monotonic_ns()
-        self._notify = n = (self._notify + 1) & 0xFFFFFFFF
-        u32[_I_NOTIFY] = n
+        # Every publish stores a value no earlier publish stored, so a reader asleep on any older
+        # value is either woken or sees a change, also when the window and the data channel are
+        # published from two threads (sync.py has the handshake).
+        u32[_I_NOTIFY] = next(self._notify) & 0xFFFFFFFF
         sync.FULL_FENCE()  # store(notify) -> load(waiters): see sync.py, the Dekker handshake
         if u32[_I_WAITERS]:
             u32[_I_WAITERS] = 0
