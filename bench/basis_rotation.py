@@ -52,10 +52,10 @@ class Setup:
     stages: tuple[int, ...]
 
 
-QUICK = Setup(dim=32, n_layers=8, n_heads=2, seq_len=32, batch=8, budget=200, eval_every=10, eval_batches=8,
+QUICK = Setup(dim=32, n_layers=8, n_heads=2, seq_len=32, batch=8, budget=160, eval_every=10, eval_batches=8,
               lr=3e-3, refresh_every=10, cap=2.0, data_bytes=2 << 20, seeds=(0,), stages=(1, 8))
 FULL = Setup(dim=48, n_layers=8, n_heads=4, seq_len=64, batch=16, budget=300, eval_every=10, eval_batches=4,
-             lr=3e-3, refresh_every=10, cap=2.5, data_bytes=8 << 20, seeds=(0, 1), stages=(1, 4, 8))
+             lr=3e-3, refresh_every=10, cap=2.5, data_bytes=8 << 20, seeds=(0,), stages=(1, 4, 8))
 OPTIMIZERS = ("adamw", "pipedream_lr", "basis_rotation", "basis_rotation_stage_aware")
 
 

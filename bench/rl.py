@@ -1,14 +1,18 @@
 """bench-rl: whole GRPO step time with speculative vs plain rollouts, and drafter acceptance per RL
 step for a continually trained drafter vs a frozen one.
 
-Setting (CPU): policy = preset `debug` (dim 64, 4 layers) warmed up by supervised steps on the `copy`
-task (long-tailed answer lengths), then GRPO (group 8, 4 prompts, temperature 1). Drafter = 1-layer
-LM (dim 64) distilled on the warmed-up policy's rollouts; the frozen copy stays there, the continual
-one is distilled after every RL step on that step's rollout hidden states (in-process stand-in for
-the sidecar training in the RolloutTail window; not counted in the step time). Each RL step is run
-twice from the same state, plain then speculative (state restored in between; the speculative run
-continues); rl_step_speedup = total plain step time / total speculative step time. Acceptance is
-measured on fixed evaluation prompts with each drafter (Fixed k=4) after every step.
+Setting (CPU): policy = 8 layers, dim 64 (`debug` preset with n_layers 8), warmed up by supervised
+steps on the `copy` task, then GRPO on the `sort` task (long-tailed answer lengths; group 8,
+4 prompts, temperature 1, lr 3e-3): the policy has to move away from copying, which is the drift
+a frozen drafter does not follow. Drafter = 1-layer LM, dim 32 (~1/8 of a policy forward on CPU),
+distilled on the warmed-up policy's rollouts of the RL task; the frozen copy stays there, the
+continual one is distilled after every RL step on that step's rollout (tokens + the policy head over
+the hidden states the rollout already computed: the in-process stand-in for the sidecar training in
+the RolloutTail window; not counted in the step time). Each RL step runs twice from the same state,
+plain then speculative (Bandit, maxDraftTokens 6, batchThreshold 32; state restored in between; the
+speculative run continues), so both see the same policy; rl_step_speedup = total plain step time /
+total speculative step time (rollout + policy update). Acceptance (tokens per verification, Fixed
+k=4, temperature 1) is measured on fixed evaluation prompts with each drafter after every step.
 """
 
 from __future__ import annotations
@@ -18,45 +22,50 @@ import time
 
 import torch
 
-from bench.common import parse_args, print_table, write_results
+from bench.common import median, parse_args, print_table, write_results
 from spectrain_workloads.model import Transformer, model_config
 from spectrain_workloads.rl import GRPOConfig, GRPOTrainer, LMDistiller, sft_warmup
 from spectrain_workloads.rollout import RolloutConfig, RolloutEngine
 from spectrain_workloads.tasks import get_task
 
+POLICY = {"n_layers": 8}
+DRAFTER = {"dim": 32, "n_layers": 1, "n_heads": 2}
+
 
 def main() -> None:
     args = parse_args(__doc__ or "")
     torch.set_num_threads(1)
-    sft_steps, rl_steps, dsteps = (60, 4, 40) if args.quick else (300, 12, 100)
-    task = get_task("copy", max_len=40)
-    policy = Transformer(model_config("debug", {}, vocab_size=264))
+    sft_steps, rl_steps, dsteps = (120, 6, 30) if args.quick else (300, 16, 60)
+    warm_task, task = get_task("copy", max_len=40), get_task("sort", max_len=40)
+    policy = Transformer(model_config("debug", POLICY, vocab_size=264))
     policy.init_weights(0)
     t0 = time.perf_counter()
-    sft_warmup(policy, task, steps=sft_steps, batch=16, lr=3e-3)
+    sft_warmup(policy, warm_task, steps=sft_steps, batch=16, lr=3e-3)
     policy.eval()
-    drafter = Transformer(model_config("debug", {"n_layers": 1}, vocab_size=264))
+    drafter = Transformer(model_config("debug", DRAFTER, vocab_size=264))
     drafter.init_weights(1)
-    rcfg = RolloutConfig(max_new_tokens=48, temperature=1.0, max_draft_tokens=6, batch_threshold=16)
-    trainer = GRPOTrainer(policy, task, GRPOConfig(group_size=8, prompts_per_step=4, lr=1e-3, seed=0), rcfg,
+    rcfg = RolloutConfig(max_new_tokens=48, temperature=1.0, max_draft_tokens=6, batch_threshold=32)
+    trainer = GRPOTrainer(policy, task, GRPOConfig(group_size=8, prompts_per_step=4, lr=3e-3, seed=0), rcfg,
                           drafter=drafter, drafter_arch="LM", keep_hidden=True)
-    distiller = LMDistiller(drafter)
-    boot = trainer.engine.generate([task.prompt_ids(task.sample(trainer.rng)) for _ in range(32)], keep_hidden=True)
-    distiller.train(LMDistiller.collect(policy, boot), steps=dsteps * 2)
+    distiller = LMDistiller(drafter, lr=3e-3)
+    boot = trainer.engine.generate([task.prompt_ids(task.sample(trainer.rng)) for _ in range(64)], keep_hidden=True)
+    distiller.train(LMDistiller.collect(policy, boot), steps=dsteps * 4)
     frozen = copy.deepcopy(drafter)
-    print(f"setup {time.perf_counter() - t0:.1f}s")
-    eval_prompts = [task.prompt_ids(task.sample(trainer.rng)) for _ in range(8)]
+    print(f"setup {time.perf_counter() - t0:.1f}s", flush=True)
+    eval_prompts = [task.prompt_ids(task.sample(trainer.rng)) for _ in range(16)]
     fixed = RolloutConfig(max_new_tokens=48, temperature=1.0, max_draft_tokens=4, strategy="Fixed", seed=7)
 
     def acceptance(d: Transformer) -> float:
         return RolloutEngine(policy, fixed, d, drafter_arch="LM").generate(eval_prompts).stats.acceptance_length
 
-    plain_s, spec_s, acc_c, acc_f = [], [], [], []
+    acc_c, acc_f = [acceptance(drafter)], [acceptance(frozen)]
+    print(f"step -: accept continual {acc_c[-1]:.2f} frozen {acc_f[-1]:.2f}", flush=True)
+    plain_s, spec_s, plain_roll, spec_roll, rewards = [], [], [], [], []
     for step in range(rl_steps):
         snap = (copy.deepcopy(policy.state_dict()), copy.deepcopy(trainer.opt.state_dict()),
                 trainer.rng.getstate(), trainer.engine.gen.get_state(), trainer.step_idx)
         trainer.engine.cfg.speculative = False
-        plain_s.append(trainer.step().step_s)
+        rp = trainer.step()
         policy.load_state_dict(snap[0])
         trainer.opt.load_state_dict(snap[1])
         trainer.rng.setstate(snap[2])
@@ -64,18 +73,31 @@ def main() -> None:
         trainer.step_idx = snap[4]
         trainer.engine.cfg.speculative = True
         r = trainer.step()
+        plain_s.append(rp.step_s)
         spec_s.append(r.step_s)
+        plain_roll.append(rp.rollout_s)
+        spec_roll.append(r.rollout_s)
+        rewards.append(r.reward_mean)
         assert trainer.last_rollout is not None
         distiller.train(LMDistiller.collect(policy, trainer.last_rollout[1]), steps=dsteps, seed=step)
         acc_c.append(acceptance(drafter))
         acc_f.append(acceptance(frozen))
-        print(f"step {step}: plain {plain_s[-1]:.2f}s spec {spec_s[-1]:.2f}s reward {r.reward_mean:.3f} "
-              f"len mean/max {r.response_len_mean:.1f}/{r.response_len_max} accept continual {acc_c[-1]:.2f} "
-              f"frozen {acc_f[-1]:.2f}")
+        print(f"step {step}: plain {rp.step_s:.2f}s (rollout {rp.rollout_s:.2f}) spec {r.step_s:.2f}s "
+              f"(rollout {r.rollout_s:.2f}, accept {r.acceptance_length:.2f}) reward {r.reward_mean:.3f} "
+              f"len mean/max {r.response_len_mean:.1f}/{r.response_len_max} | accept continual {acc_c[-1]:.2f} "
+              f"frozen {acc_f[-1]:.2f}", flush=True)
     results = {"rl_step_speedup": sum(plain_s) / sum(spec_s), "acceptance_continual_last": acc_c[-1],
                "acceptance_frozen_last": acc_f[-1]}
-    write_results("rl", {**results, "acceptance_continual": acc_c, "acceptance_frozen": acc_f}, args.quick)
-    print_table("bench-rl (policy debug on copy, drafter 1-layer LM)", results)
+    extra = {"rollout_speedup": sum(plain_roll) / sum(spec_roll),
+             "step_speedup_median": median([p / s for p, s in zip(plain_s, spec_s, strict=True)]),
+             "acceptance_continual": acc_c, "acceptance_frozen": acc_f, "reward": rewards,
+             "step_s_plain": plain_s, "step_s_spec": spec_s}
+    write_results("rl", {**results, **extra}, args.quick)
+    print("per RL step (index 0 = before RL): acceptance continual / frozen")
+    for i, (c, f) in enumerate(zip(acc_c, acc_f, strict=True)):
+        print(f"  {i - 1 if i else '-':>3}  {c:.2f} / {f:.2f}")
+    print_table("bench-rl (policy 8L dim64, copy warm-up -> GRPO on sort; drafter 1L dim32 LM)",
+                {**results, "rollout_speedup": extra["rollout_speedup"]})
 
 
 if __name__ == "__main__":

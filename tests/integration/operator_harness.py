@@ -143,15 +143,15 @@ class Env:
                       key=lambda p: p["metadata"]["name"])
 
     def wait_pods(self, name: str, count: int, generation: int | None = None, timeout: float = STEP) -> list[dict[str, Any]]:
-        def ready() -> list[dict[str, Any]] | None:
+        def ready() -> tuple[list[dict[str, Any]]] | None:
             self.operator.check_alive()
             pods = self.pods(name)
             if generation is not None:
                 pods = [p for p in pods if p["metadata"]["labels"].get("spectrain.io/restart-generation")
                         == str(generation)]
-            return pods if len(pods) == count else None
+            return (pods,) if len(pods) == count else None  # a tuple: truthy even for zero pods
         try:
-            return wait_for(ready, timeout, interval=0.1, what=f"{count} pods of {name} (generation {generation})")
+            return wait_for(ready, timeout, interval=0.1, what=f"{count} pods of {name} (generation {generation})")[0]
         except TimeoutError as exc:
             raise AssertionError(f"{exc}; have {[p['metadata']['name'] for p in self.pods(name)]}; "
                                  f"status {json.dumps(self.status(name))[:1200]}\n{self.operator.log_tail()}") from None
@@ -194,8 +194,8 @@ def apply_crd(kube: KubeAPI) -> None:
     kube.apply(yaml.safe_load(CRD.read_text()))
 
 
-@pytest.fixture(scope="module")
-def env(kube: KubeAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+@pytest.fixture(scope="module", name="env")
+def env_fixture(kube: KubeAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     apply_crd(kube)
     ns = f"stj-{uuid.uuid4().hex[:6]}"
     kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})

@@ -3,7 +3,7 @@
 Checked from timestamps in the drafter's activity log against the target's window log: busy
 only inside windows, overrun bounded by the last task, nothing in windows shorter than the
 unit or of kinds not in activation.kinds, open-ended windows used once history exists; SIGTERM
-flushes a checkpoint + export; SIGKILL leaves a complete checkpoint that a restart resumes from.
+flushes a checkpoint + export. (SIGKILL and resume: test_drafter_target.py, next to the real target.)
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ SLACK_NS = 3 * MS     # poll-to-start latency and clock reads around a task, on 
 
 SCHEDULE = SyntheticSpec(
     windows=[
-        WindowSpec(kind="Bubble", duration_ms=30.0),                                  # predicted, long
+        WindowSpec(kind="Bubble", duration_ms=60.0),                                  # predicted, long
         WindowSpec(kind="Communication", duration_ms=0.3),                            # shorter than any unit
-        WindowSpec(kind="RolloutTail", duration_ms=30.0),                             # kind filtered out
-        WindowSpec(kind="Imbalance", duration_ms=25.0, predicted=False, jitter=0.2),  # open-ended
+        WindowSpec(kind="RolloutTail", duration_ms=40.0),                             # kind filtered out
+        WindowSpec(kind="Imbalance", duration_ms=50.0, predicted=False, jitter=0.2),  # open-ended
     ],
     compute_ms=4.0, data_per_step=2, seq_len=64, seed=0)
 KINDS = ["Bubble", "Communication", "Imbalance"]
@@ -46,8 +46,9 @@ def test_drafter_works_only_inside_usable_windows_and_flushes_on_sigterm(tmp_pat
     proc = pod.start_drafter()
     try:
         calibrated = drive(target, lambda: pod.of("calibrated"), 60, "the drafter's calibration", proc)[0]
-        drive(target, lambda: sum(e["microsteps"] for e in pod.of("work")) >= 150 and pod.of("acceptance"),
-              60, "150 micro-steps and a verification", proc)
+        drive(target, lambda: sum(e["samples"] for e in pod.of("work")) >= 400 and pod.of("acceptance")
+              and {e["kind"] for e in pod.of("work")} == {"Bubble", "Imbalance"},
+              120, "400 trained samples, a verification, work in both usable kinds", proc)
         t_stop = time.monotonic()
         assert pod.stop_drafter(signal.SIGTERM) == 0
         assert time.monotonic() - t_stop < 20, "SIGTERM must be handled well inside the grace period"
@@ -91,33 +92,6 @@ def test_drafter_works_only_inside_usable_windows_and_flushes_on_sigterm(tmp_pat
     data = [(tokens[i], hidden[i]) for i in range(6)]
     trained_acc, untrained_acc = measure(drafter, data, None, k=4), measure(fresh, data, None, k=4)
     assert trained_acc.top1 > untrained_acc.top1 + 0.1, (trained_acc.to_dict(), untrained_acc.to_dict())
-
-
-def test_sigkill_leaves_a_complete_checkpoint_and_the_restart_resumes(tmp_path: Path) -> None:
-    spec = SyntheticSpec(windows=[WindowSpec(kind="Bubble", duration_ms=30.0)], compute_ms=4.0, seq_len=64)
-    pod = Pod(tmp_path, settings={"checkpoint_every_s": 0.3})
-    target = synthetic_target(pod, spec)
-    try:
-        proc = pod.start_drafter()
-        ckpts = drive(target, lambda: [c for c in pod.of("checkpoint") if c["version"] >= 3], 90,
-                      "three checkpoints", proc)
-        # keep training a little past the checkpoint, then kill without warning
-        drive(target, lambda: pod.of("work")[-1]["end_ns"] > ckpts[0]["t_ns"], 30, "more work", proc)
-        pod.stop_drafter(signal.SIGKILL)
-        newest = max(c["version"] for c in pod.of("checkpoint"))
-        steps_at_newest = [c for c in pod.of("checkpoint") if c["version"] == newest][0]["optimizer_steps"]
-        before = len(pod.of("setup"))
-        proc = pod.start_drafter()
-        setup = drive(target, lambda: pod.of("setup")[before:], 60, "the restarted drafter's setup", proc)[0]
-        assert setup["resumed_version"] == newest
-        later = drive(target, lambda: [c for c in pod.of("checkpoint") if c["version"] > newest], 60,
-                      "a checkpoint after the restart", proc)[0]
-        assert later["optimizer_steps"] > steps_at_newest      # counting on from the resumed state
-        assert pod.stop_drafter(signal.SIGTERM) == 0
-    finally:
-        pod.kill()
-        target.close()
-    assert not [p for p in (pod.run_dir / "drafter" / "rank-0").iterdir() if p.name.startswith(".tmp-")]
 
 
 def test_disabled_drafter_stays_up_idle_and_says_so(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from tests.integration.operator_harness import ROOT, Env, env  # noqa: F401  (fixture)
+from tests.integration.operator_harness import ROOT, Env, env_fixture  # noqa: F401  (the env fixture)
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -42,7 +42,8 @@ def test_create_makes_every_child_once_with_owner_references(env: Env) -> None:
     assert {c["type"] for c in st["conditions"]} >= {"Created", "CheckpointEphemeral"}
     # kopf's bookkeeping is in annotations, never in the status
     assert "kopf" not in st
-    assert any(k.startswith("spectrain.io/") for k in job["metadata"].get("annotations", {}))
+    wait_for(lambda: "spectrain.io/last-handled-configuration" in
+             ((env.job("c1") or {})["metadata"].get("annotations") or {}), 10, what="kopf's diff-base annotation")
 
 
 def test_running_progress_and_drafter_from_annotations(env: Env) -> None:

@@ -139,6 +139,43 @@ def test_controller_goes_plain_above_threshold_and_for_a_useless_drafter() -> No
     assert c.choose(4, 4, False) == 0
 
 
+def simulate(c: DraftController, steps: int, step_s: dict[int, float], accepted: int, bucket: int = 4) -> list[int]:
+    """Drive the controller with synthetic timings: plain steps take step_s[0], speculative step_s[1]
+    (any k); every row accepts `accepted` drafts (capped at k). -> the k chosen per step."""
+    ks = []
+    for _ in range(steps):
+        k = c.choose(bucket, bucket, True)
+        ks.append(k)
+        c.record_forward("target", bucket * (k + 1), step_s[0] if k == 0 else step_s[1] * 0.8)
+        if k:
+            c.record_forward("draft", bucket, step_s[1] * 0.2 / (k + 1))
+            c.record_acceptance(torch.full((bucket,), min(accepted, k)), k)
+        c.record_step(bucket, k, step_s[0] if k == 0 else step_s[1])
+    return ks
+
+
+def test_controller_with_a_useless_drafter_costs_at_most_a_few_percent() -> None:
+    c = DraftController(max_draft=8, batch_threshold=32, strategy="Bandit")
+    ks = simulate(c, 3000, {0: 1.0, 1: 1.5}, accepted=0)
+    spec = [i for i, k in enumerate(ks) if k]
+    cost = sum(1.5 if k else 1.0 for k in ks) / len(ks)
+    assert cost < 1.01, cost                          # vs always-plain 1.0
+    assert 1 <= len(spec) <= 12
+    gaps = [b - a for a, b in zip(spec, spec[1:], strict=False)]
+    assert gaps[-1] > 4 * gaps[0]                     # probes back off
+
+
+def test_controller_speculates_with_a_good_drafter_and_remeasures_plain() -> None:
+    c = DraftController(max_draft=8, batch_threshold=32, strategy="Bandit", remeasure_every=48)
+    ks = simulate(c, 500, {0: 1.0, 1: 1.5}, accepted=6)
+    tail = ks[100:]
+    assert sum(k > 0 for k in tail) > 0.95 * len(tail)
+    assert 0 < tail.count(0) <= len(tail) // 40        # plain re-measured now and then, not more
+    # The machine changes: speculative steps got 4x slower. Plain wins again, and the controller notices.
+    ks = simulate(c, 300, {0: 1.0, 1: 6.0}, accepted=6)
+    assert sum(k == 0 for k in ks[100:]) > 0.9 * len(ks[100:])
+
+
 def test_bandit_engine_matches_plain_across_rollouts() -> None:
     ps = prompts(4, seed=11)
     ref = [naive_greedy(p, 16) for p in ps]

@@ -212,7 +212,7 @@ def test_nullable_fields_and_pruned_nulls() -> None:
     assert spec.validate(m) == []
     d = spec.defaulted(m)
     assert d["spec"]["runPolicy"]["activeDeadlineSeconds"] is None
-    assert d["spec"]["drafter"]["image"] == ""  # null pruned, then defaulted
+    assert "image" not in d["spec"]["drafter"]  # null pruned (empty means target.image)
 
 
 def test_semantic_layers_divisible_by_pipeline() -> None:

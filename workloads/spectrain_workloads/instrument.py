@@ -11,12 +11,14 @@
 - Imbalance: reactive and open-ended (predicted 0). Waiting is told from communicating by local
   timestamps only, no extra collective: when a rank reaches a sync point (its compute for the step
   is done, or it needs a tensor a peer has not sent), the transfers it still waits for are
-  expected to end at `expected_comm_end()` (the outstanding windows' starts + predictions, run
-  overlapping). A watchdog thread is armed for that moment plus a slack; if the rank is still
+  expected to end at `expected_comm_end()` (the latest start + prediction among the outstanding
+  windows: bucket all-reduces overlap the backward and each other). A watchdog thread is armed
+  for that moment plus `imbalance_min_ns`; if the rank is still
   blocked then, the rest of the wait is a peer's lateness, and the Imbalance window opens at once.
   `sync_end()` closes it. Communication samples that overlapped an Imbalance window are not fed
   to the bandwidth EMA (they measured the peer, not the link); others are clamped to [1/2, 2] x
-  the prediction so one noisy sample cannot swing it.
+  the prediction so one noisy sample cannot swing it, and the EMA moves faster towards higher
+  bandwidth than lower (an unnoticed late peer looks like a slow link).
 
 Everything here only reads clocks and writes the ring / metrics: it never touches tensors, so
 training with instrumentation on and off is bitwise identical. `enabled=False` turns every call

@@ -11,6 +11,12 @@ empties), the rank opens a RolloutTail window on the ring (closed when the rollo
 cross-rank barrier when WORLD_SIZE > 1) and publishes each finished sequence's hidden states
 (those the rollout computed anyway: no extra prefill) and tokens on the data channel, so the
 drafter sidecar trains on them during the window. `run(cfg)` is target.py's entry for spec.mode RL.
+
+`run(cfg)`: the policy starts from a short supervised warm-up on the task (the stand-in for a
+pretrained policy, so rewards carry signal): SPECTRAIN_RL_WARMUP_STEPS steps (default 200; set it
+through spec.target.env; skipped on resume). At the start of every RL step the rollout engine loads
+the newest drafter export ($SPECTRAIN_EXPORT_DIR/LATEST) if it moved; metrics record its version per
+step. SIGTERM: the checkpoint of the current step boundary is saved, then the rank exits (shutdown.py).
 """
 
 from __future__ import annotations
@@ -344,6 +350,9 @@ def run(cfg: Any) -> list[float]:
     from spectrain_workloads.model import model_config
     from spectrain_workloads.trainer import RankInfo, TrainerOptions, _device
 
+    from spectrain_workloads.shutdown import EXIT_TERMINATED, Terminator, block_sigterm
+
+    block_sigterm()          # SIGTERM: a sigwait thread (shutdown.py); saved at the next step boundary
     t = cfg.target
     if t.rl is None:
         raise ConfigError("spec.target.rl is required when spec.mode is RL")
@@ -412,15 +421,26 @@ def run(cfg: Any) -> list[float]:
 
     if latest is None:
         save(0)          # the drafter's Eagle head needs the shared embedding / head from the start
+    term = Terminator(opts.term_grace_s, lambda: save(trainer.step_idx))
     rewards: list[float] = []
     try:
         while trainer.step_idx < t.steps:
+            if term.requested.is_set():
+                with term.state_lock:
+                    save(trainer.step_idx)
+                    term.done.set()
+                print(f"[spectrain-target] SIGTERM: saved RL step {trainer.step_idx}; exiting", flush=True)
+                metrics.close()
+                os._exit(EXIT_TERMINATED)
             if opts.drafter_enabled and rl.speculative.enabled:
                 try:
-                    trainer.reload_drafter(export_dir)
+                    if trainer.reload_drafter(export_dir):
+                        print(f"[spectrain-target] RL step {trainer.step_idx}: rollouts use drafter "
+                              f"{trainer.drafter_version} from {export_dir}", flush=True)
                 except (ConfigError, OSError, RuntimeError, KeyError) as exc:   # a bad export must not stop RL
                     print(f"spectrain rl: keeping the current drafter, cannot load {export_dir}: {exc}", flush=True)
-            r = trainer.step()
+            with term.state_lock:      # the emergency save only ever sees a completed step
+                r = trainer.step()
             rewards.append(r.reward_mean)
             metrics.step(step=trainer.step_idx, loss=r.loss, step_time_s=r.step_s, tokens=r.tokens,
                          extra={"reward": r.reward_mean, "kl": r.kl, "rollout_s": r.rollout_s, "train_s": r.train_s,
@@ -429,7 +449,8 @@ def run(cfg: Any) -> list[float]:
                                 "rollout_tail_s": r.tail_s, "published": r.published,
                                 "drafter_version": trainer.drafter_version})
             if trainer.step_idx % t.checkpoint.every_steps == 0 or trainer.step_idx == t.steps:
-                save(trainer.step_idx)
+                with term.state_lock:
+                    save(trainer.step_idx)
     finally:
         metrics.close()
         if producer is not None:

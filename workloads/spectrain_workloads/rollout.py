@@ -125,31 +125,66 @@ def as_drafter(drafter: nn.Module | DraftAdapter, arch: str | None = None) -> Dr
 
 # --------------------------------------------------------------------------------------- controller
 
+class _Window:
+    """The last n samples of one timing; its median is robust to the spikes of a shared machine."""
+
+    __slots__ = ("xs", "n")
+
+    def __init__(self, n: int) -> None:
+        self.xs: list[float] = []
+        self.n = n
+
+    def add(self, x: float) -> None:
+        self.xs.append(x)
+        if len(self.xs) > self.n:
+            del self.xs[0]
+
+    def median(self) -> float:
+        s = sorted(self.xs)
+        m = len(s) // 2
+        return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
+
+
 class DraftController:
     """Chooses the draft length per decode step (0 = plain), keyed by the physical batch bucket.
 
-    A bandit over arms k with reward E[tokens | k] x batch / step time: E[tokens | k] =
-    (1 - a^(k+1)) / (1 - a) from the drafter's running per-token acceptance a; step times are measured
-    per (bucket, k). An arm never tried is valued by an optimistic cost model built from measured
-    forward times keyed by tokens per forward (target: bucket x (k+1); drafter: bucket), using
-    monotonicity (a forward over more tokens is no faster), so an arm is tried only while it could
-    win. Plain steps at large batch thus also price verification at smaller batch.
+    Value of an arm k: E[tokens | k] / step time, E[tokens | k] = (1 - a^(k+1)) / (1 - a) from the
+    drafter's running per-token acceptance a (a Beta-style prior, then measured). Step times are
+    medians of the last `window` measurements per (bucket, k) (robust to the spikes of a shared
+    machine); an arm not measured yet is priced by a cost model from measured forward times keyed
+    by tokens per forward (plain step + extra verification tokens + k+1 drafter forwards), using
+    monotonicity (a forward over more tokens is no faster), so it is tried only while it could win.
+
+    Never meaningfully slower than plain:
+    - speculation is chosen only with a confident advantage (value > margin x plain's value);
+    - while speculating, one step in `remeasure_every` per bucket is plain, so plain's time stays current;
+    - while plain, speculation is probed once per `probe_every` steps (doubling up to `max_probe_every`
+      after each probe that does not win), so a useless drafter costs at most one slower step per
+      probe interval and a drafter that got better (or a machine that got quieter) is noticed.
     """
 
     ARMS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
-    def __init__(self, *, max_draft: int, batch_threshold: int, strategy: str, ema: float = 0.3,
-                 prior_alpha: float = 0.6, prior_trials: float = 4.0, margin: float = 1.05) -> None:
-        self.max_draft, self.batch_threshold, self.strategy, self.ema = max_draft, batch_threshold, strategy, ema
-        self.margin = margin
+    def __init__(self, *, max_draft: int, batch_threshold: int, strategy: str, window: int = 9,
+                 prior_alpha: float = 0.6, prior_trials: float = 4.0, margin: float = 1.08,
+                 remeasure_every: int = 48, probe_every: int = 32, max_probe_every: int = 1024) -> None:
+        self.max_draft, self.batch_threshold, self.strategy = max_draft, batch_threshold, strategy
+        self.window, self.margin = window, margin
+        self.remeasure_every, self.probe_every, self.max_probe_every = remeasure_every, probe_every, max_probe_every
         self.arms = sorted({k for k in self.ARMS if k <= max_draft} | {max_draft})
-        self.step_s: dict[tuple[int, int], float] = {}     # (bucket, k) -> EMA seconds per decode step
-        self.fwd_s: dict[str, dict[int, float]] = {"target": {}, "draft": {}}   # tokens -> EMA seconds
+        self.step_s: dict[tuple[int, int], _Window] = {}    # (bucket, k) -> seconds per decode step
+        self.fwd_s: dict[str, dict[int, _Window]] = {"target": {}, "draft": {}}   # tokens -> seconds
         self.prior = (prior_alpha * prior_trials, prior_trials)
+        self._since: dict[int, int] = {}      # bucket -> steps since plain was measured / since the last probe
+        self._interval: dict[int, int] = {}   # bucket -> current probe interval while plain wins
+        self._mode: dict[int, str] = {}       # bucket -> "spec" | "plain" (what the values chose last)
         self.reset_acceptance()
 
     def reset_acceptance(self) -> None:
+        """A new drafter: acceptance starts from the prior, and probing starts over."""
         self.accepted, self.trials = self.prior
+        self._interval.clear()
+        self._since.clear()
 
     @property
     def alpha(self) -> float:
@@ -159,36 +194,63 @@ class DraftController:
         a = self.alpha
         return (1 - a ** (k + 1)) / (1 - a)
 
+    def values(self, bucket: int) -> dict[int, float]:
+        """Committed tokens per second per row for plain (0) and every arm, from current estimates."""
+        return {k: self.expected_tokens(k) / max(self.step_estimate(bucket, k), 1e-9) for k in [0, *self.arms]}
+
     def choose(self, bucket: int, n_active: int, can_draft: bool) -> int:
         if not can_draft or n_active > self.batch_threshold:
             return 0
         if self.strategy == "Fixed":
             return self.max_draft
         if (bucket, 0) not in self.step_s:
+            return 0                                     # measure plain first
+        values = self.values(bucket)
+        best = max(self.arms, key=lambda k: (values[k], -k))
+        since = self._since.get(bucket, 0) + 1
+        self._since[bucket] = since
+        if values[best] > self.margin * values[0]:
+            if self._mode.get(bucket) != "spec":
+                self._mode[bucket], self._since[bucket] = "spec", 0
+                self._interval.pop(bucket, None)
+                return best
+            if since >= self.remeasure_every:            # keep plain's time current
+                self._since[bucket] = 0
+                return 0
+            return best
+        if self._mode.get(bucket) != "plain":
+            self._mode[bucket], self._since[bucket] = "plain", 0
             return 0
-        values = {k: self.expected_tokens(k) / max(self._step_estimate(bucket, k), 1e-9)
-                  for k in [0, *self.arms]}
-        best = max(values, key=lambda k: (values[k], -k))
-        return best if values[best] > self.margin * values[0] else 0   # noisy timings: plain unless clearly worse
+        interval = self._interval.get(bucket, self.probe_every)
+        if since >= interval:                            # probe: has the drafter (or the machine) changed?
+            self._since[bucket] = 0
+            self._interval[bucket] = min(2 * interval, self.max_probe_every)
+            return best
+        return 0
 
-    def _step_estimate(self, bucket: int, k: int) -> float:
-        if (bucket, k) in self.step_s:
-            return self.step_s[(bucket, k)]
-        return self._fwd("target", bucket * (k + 1)) + k * self._fwd("draft", bucket)
+    def step_estimate(self, bucket: int, k: int) -> float:
+        w = self.step_s.get((bucket, k))
+        if w is not None:
+            return w.median()
+        plain = self.step_s[(bucket, 0)].median() if (bucket, 0) in self.step_s else 0.0
+        return (plain + max(0.0, self._fwd("target", bucket * (k + 1)) - self._fwd("target", bucket))
+                + (k + 1) * self._fwd("draft", bucket))
 
     def _fwd(self, kind: str, n: int) -> float:
         table = self.fwd_s[kind]
-        below = [t for m, t in table.items() if m <= n]
-        return max(below) if below else min(table.values(), default=0.0)
+        below = [w.median() for m, w in table.items() if m <= n]
+        return max(below) if below else min((w.median() for w in table.values()), default=0.0)
 
-    def _update(self, table: dict[Any, float], key: Any, seconds: float) -> None:
-        table[key] = seconds if key not in table else (1 - self.ema) * table[key] + self.ema * seconds
+    def _add(self, table: dict[Any, _Window], key: Any, seconds: float) -> None:
+        if key not in table:
+            table[key] = _Window(self.window)
+        table[key].add(seconds)
 
     def record_step(self, bucket: int, k: int, seconds: float) -> None:
-        self._update(self.step_s, (bucket, k), seconds)
+        self._add(self.step_s, (bucket, k), seconds)
 
     def record_forward(self, kind: str, n_tokens: int, seconds: float) -> None:
-        self._update(self.fwd_s[kind], n_tokens, seconds)
+        self._add(self.fwd_s[kind], n_tokens, seconds)
 
     def record_acceptance(self, n_accepted: torch.Tensor, k: int) -> None:
         """n_accepted [n]: accepted prefix per active row; a row with n < k saw n + 1 trials."""
@@ -445,7 +507,8 @@ class RolloutEngine:
                 order = torch.argsort((~self.active).to(torch.int8), stable=True)
                 self._compact(order[: _next_pow2(n_active)])
                 self.rows = torch.arange(self.nb, device=dev)
-            can = spec and (self.drafter is not None) and int(self.length[self.active].min()) > self.drafter.offset
+            can = (spec and self.drafter is not None and n_active <= cfg.batch_threshold
+                   and int(self.length[self.active].min()) > self.drafter.offset)
             k = self.controller.choose(self.nb, n_active, can)
             t0 = time.perf_counter()
             old_len = self.length

@@ -248,7 +248,7 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
     stage_mod: torch.nn.Module = module
     if dp_group is not None:
         stage_mod = torch.nn.parallel.DistributedDataParallel(
-            module, process_group=dp_group, broadcast_buffers=False, bucket_cap_mb=opts.bucket_cap_mb,
+            module, process_group=dp_group, forward_sync_buffers=False, bucket_cap_mb=opts.bucket_cap_mb,
             device_ids=[device.index] if device.type == "cuda" else None)
         stage_mod.register_comm_hook(dp_group, make_comm_hook(instr))
     executor = StageExecutor(
@@ -281,7 +281,15 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
             _exit_terminated(term, save, boundary["step"], metrics, publisher)
         t0 = time.monotonic()
         inputs, targets = loader.batch(step)
-        out = executor.run(step, inputs, targets)
+        try:
+            out = executor.run(step, inputs, targets)
+        except Exception:
+            # A peer that saw SIGTERM first has left mid-step and gloo reports the closed
+            # connection: save the last completed step like everyone else and go. Our own SIGTERM
+            # is normally on its way (pods are stopped together), so give it a moment.
+            if term.requested.wait(timeout=min(5.0, opts.term_grace_s / 4)):
+                _exit_terminated(term, save, boundary["step"], metrics, publisher)
+            raise
         with term.state_lock:
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -31,11 +31,12 @@ def quantile(xs: Iterable[float], q: float) -> float:
 class CostModel:
     """Robust recent cost (ns) per task key: the `q` quantile of the last `window` measurements.
 
-    A quantile rather than the mean keeps one preempted measurement on a loaded machine from
+    A high quantile bounds overruns when costs are noisy; a quantile rather than the max keeps one
+    preempted measurement on a loaded machine from
     shutting the drafter out of every window until it is forgotten.
     """
 
-    def __init__(self, *, window: int = 16, q: float = 0.75) -> None:
+    def __init__(self, *, window: int = 16, q: float = 0.9) -> None:
         self.window, self.q = window, q
         self._samples: dict[Hashable, deque[int]] = {}
 

@@ -85,7 +85,8 @@ class Worker:
     def run(self) -> int:
         try:
             self._set_state(self.state, self.reason)
-            _prewarm()
+            if self.s.policy != "Off":
+                _prewarm()
             if not self._open_ring():
                 return 0
             if self.s.policy != "Off" and not self._setup_trainer():

@@ -95,7 +95,11 @@ def build_optimizer(
     n_stages: int = 1,
     weight_decay: float = WEIGHT_DECAY,
 ) -> torch.optim.Optimizer:
-    """AdamW or BasisRotation for pipeline stage `stage` of `n_stages` (stage staleness P-1-k)."""
+    """AdamW or BasisRotation for stage `stage` of an asynchronous pipeline of `n_stages`.
+
+    The position only matters for BasisRotation with stageAware (stage k is P-1-k steps stale);
+    synchronous training (Pretrain, any schedule without staleness) passes stage=0, n_stages=1.
+    """
     _validate(spec, stage, n_stages)
     groups = param_groups(params_or_model, weight_decay=weight_decay)
     if spec.name == "AdamW":

@@ -1,0 +1,118 @@
+"""bench-target: cost and accuracy of the target's idle-window instrumentation.
+
+Keys (BENCHMARKS.md): instrumentation_overhead_ratio (median step time instrumented / not, runs
+interleaved on/off), bubble_fraction_measured / bubble_fraction_formula (p=2, m=4; also per (p, m)
+in {(2,4), (4,8)} as bubble_fraction_measured_p<p>_m<m>), pred_error_median_bubble,
+pred_error_median_comm (median |predicted - actual| / actual; comm over DDP buckets and pipeline
+send/recv, also split per channel family).
+
+Each run is real processes (launch_local, gloo, debug preset, 1 torch thread per rank). Measured
+bubble fraction per stage = Bubble windows' actual time / wall time of the same steps, averaged
+over stages; the first 2 steps (warm-up, no EMA yet) are left out. On a 2-core machine p = 4 puts
+two stages on each core, so its bubble fraction is not the schedule's (stages also wait for CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.common import median, parse_args, print_table, write_results
+from spectrain_workloads.launch import launch_local, wait_all
+
+WARMUP = 2
+
+
+def _config(path: Path, *, data: int, pipeline: int, microbatches: int, steps: int, seq_len: int) -> Path:
+    path.write_text(json.dumps({"apiVersion": "spectrain.io/v1alpha1", "kind": "SpecTrainJob",
+                                "metadata": {"name": "bench"}, "spec": {"mode": "Pretrain", "seed": 1, "target": {
+                                    "image": "x", "nodes": data * pipeline, "procsPerNode": 1,
+                                    "parallelism": {"data": data, "pipeline": pipeline, "microbatches": microbatches,
+                                                    "schedule": "1F1B"},
+                                    "model": {"preset": "debug"},
+                                    "data": {"source": "builtin:python-stdlib", "seqLen": seq_len,
+                                             "batchSize": 2 * microbatches},
+                                    "steps": steps, "checkpoint": {"everySteps": 10_000, "keep": 1}}}}))
+    return path
+
+
+def _run(root: Path, cfg: Path, world: int, env: dict[str, str]) -> Path:
+    procs = launch_local(cfg, world, root, root / "ring",
+                         env={"SPECTRAIN_DATA_MAX_BYTES": str(1 << 20), "SPECTRAIN_BUCKET_CAP_MB": "0.05", **env})
+    codes = wait_all(procs, 600)
+    if codes != [0] * world:
+        raise RuntimeError(f"bench run failed {codes}: see {root}/logs")
+    return root
+
+
+def _read(root: Path, name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (root / "metrics" / name).read_text().splitlines()]
+
+
+def _step_times(root: Path, world: int) -> list[float]:
+    # a step's time is its slowest rank's
+    per_rank = [[s["step_time_s"] for s in _read(root, f"target-rank-{r}.jsonl")[WARMUP:]] for r in range(world)]
+    return [max(ts) for ts in zip(*per_rank, strict=True)]
+
+
+def _windows(root: Path, world: int) -> list[dict[str, Any]]:
+    return [w for r in range(world) for w in _read(root, f"windows-rank-{r}.jsonl") if w["step"] >= WARMUP]
+
+
+def _bubble_fraction(root: Path, p: int) -> float:
+    fr = []
+    for r in range(p):
+        idle = sum(w["actual_ns"] for w in _read(root, f"windows-rank-{r}.jsonl")
+                   if w["kind"] == "Bubble" and w["step"] >= WARMUP) / 1e9
+        fr.append(idle / sum(s["step_time_s"] for s in _read(root, f"target-rank-{r}.jsonl")[WARMUP:]))
+    return statistics.mean(fr)
+
+
+def _errors(ws: list[dict[str, Any]], kind: str, prefix: str = "") -> list[float]:
+    return [abs(w["predicted_ns"] - w["actual_ns"]) / w["actual_ns"] for w in ws
+            if w["kind"] == kind and w["predicted_ns"] > 0 and w["actual_ns"] > 0
+            and w.get("channel", "").startswith(prefix)]
+
+
+def main() -> None:
+    args = parse_args(__doc__ or "")
+    steps, reps, seq = (12, 1, 64) if args.quick else (40, 3, 128)
+    res: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-target-") as tmp:
+        base = Path(tmp)
+        cfg24 = _config(base / "p2m4.json", data=1, pipeline=2, microbatches=4, steps=steps, seq_len=seq)
+        on_runs, on_t, off_t = [], [], []
+        for i in range(reps):   # interleaved on/off
+            on = _run(base / f"on-{i}", cfg24, 2, {"SPECTRAIN_INSTRUMENT": "1"})
+            off = _run(base / f"off-{i}", cfg24, 2, {"SPECTRAIN_INSTRUMENT": "0"})
+            on_runs.append(on)
+            on_t += _step_times(on, 2)
+            off_t += _step_times(off, 2)
+        res["instrumentation_overhead_ratio"] = median(on_t) / median(off_t)
+        res["bubble_fraction_measured_p2_m4"] = statistics.mean(_bubble_fraction(r, 2) for r in on_runs)
+        res["bubble_fraction_formula_p2_m4"] = 1 / 5
+        cfg48 = _config(base / "p4m8.json", data=1, pipeline=4, microbatches=8, steps=steps, seq_len=seq // 2)
+        r48 = _run(base / "p4m8", cfg48, 4, {})
+        res["bubble_fraction_measured_p4_m8"] = _bubble_fraction(r48, 4)
+        res["bubble_fraction_formula_p4_m8"] = 3 / 11
+        res["bubble_fraction_measured"] = res["bubble_fraction_measured_p2_m4"]
+        res["bubble_fraction_formula"] = res["bubble_fraction_formula_p2_m4"]
+        cfg_dp = _config(base / "dp.json", data=2, pipeline=1, microbatches=2, steps=steps, seq_len=seq)
+        rdp = _run(base / "dp", cfg_dp, 2, {})
+        ws = [w for r in on_runs for w in _windows(r, 2)] + _windows(rdp, 2)
+        res["pred_error_median_bubble"] = median(_errors(ws + _windows(r48, 4), "Bubble"))
+        res["pred_error_median_comm"] = median(_errors(ws, "Communication"))
+        res["pred_error_median_comm_dp_bucket"] = median(_errors(ws, "Communication", "dp-bucket"))
+        res["pred_error_median_comm_pp_send"] = median(_errors(ws, "Communication", "pp-send"))
+        res["pred_error_median_comm_pp_recv"] = median(_errors(ws, "Communication", "pp-recv"))
+        res["step_time_ms_on_median"] = median(on_t) * 1e3
+        res["step_time_ms_off_median"] = median(off_t) * 1e3
+    write_results("target", res, args.quick)
+    print_table("bench-target" + (" (quick)" if args.quick else ""), res)
+
+
+if __name__ == "__main__":
+    main()

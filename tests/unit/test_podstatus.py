@@ -1,0 +1,85 @@
+"""podstatus: atomic files always; in-cluster PATCH of the pod's own annotations, throttled; never raises."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spectrain_workloads import podstatus
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def _reset(monkeypatch: pytest.MonkeyPatch) -> None:
+    podstatus._last_patch.clear()
+    podstatus._in_flight.clear()
+    for var in ("SPECTRAIN_POD_NAME", "SPECTRAIN_POD_NAMESPACE", "KUBERNETES_SERVICE_HOST"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_files_are_written_atomically_with_nan_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECTRAIN_RUN_DIR", str(tmp_path))
+    podstatus.report_progress({"step": 3, "totalSteps": 10, "loss": float("nan"), "tokensPerSecond": 5.0})
+    podstatus.report_drafter({"state": "Active", "harvestedSeconds": 1.0}, rank=2)
+    prog = json.loads((tmp_path / "progress.json").read_text())
+    assert prog["step"] == 3 and prog["loss"] is None and prog["updatedAt"]
+    assert json.loads((tmp_path / "drafter-summary-rank-2.json").read_text())["state"] == "Active"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECTRAIN_RUN_DIR", str(blocker / "sub"))  # cannot be created
+    podstatus.report_progress({"step": 1})
+    podstatus.report_drafter({"state": "Waiting"}, rank="x")  # type: ignore[arg-type]
+
+
+def test_in_cluster_patch_of_own_annotation_throttled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[str, str, dict[str, Any], str]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, self.headers["Content-Type"], body, self.headers["Authorization"]))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    sa = tmp_path / "sa"
+    sa.mkdir()
+    (sa / "token").write_text("tok\n")
+    monkeypatch.setattr(podstatus, "SA_DIR", sa)
+    monkeypatch.setenv("SPECTRAIN_POD_NAME", "job-0")
+    monkeypatch.setenv("SPECTRAIN_POD_NAMESPACE", "ns")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.server_port))
+    monkeypatch.setenv("SPECTRAIN_RUN_DIR", str(tmp_path / "run"))
+    # plain HTTP test server: let the https URL reach it
+    monkeypatch.setattr(podstatus, "_in_cluster",
+                        lambda: (f"http://127.0.0.1:{server.server_port}", "ns", "job-0", "tok"))
+    try:
+        podstatus.report_progress({"step": 1})
+        wait_for(lambda: len(seen) == 1, 5, what="first PATCH")
+        podstatus.report_progress({"step": 2})  # within 10 s: file only
+        assert json.loads((tmp_path / "run" / "progress.json").read_text())["step"] == 2
+        podstatus.report_progress({"step": 3}, flush=True)
+        wait_for(lambda: len(seen) == 2, 5, what="flushed PATCH")
+    finally:
+        server.shutdown()
+    path, ctype, body, auth = seen[-1]
+    assert path == "/api/v1/namespaces/ns/pods/job-0" and ctype == "application/merge-patch+json"
+    assert auth == "Bearer tok"
+    assert json.loads(body["metadata"]["annotations"]["spectrain.io/progress"])["step"] == 3
