@@ -85,12 +85,15 @@ def _offline_acceptance(target: SyntheticTarget, steps: int, samples: int, eval_
     shared = TargetShared(embedding=m.tok_embeddings.weight.detach(), lm_head=m.output.weight.detach(),
                           model_config=CFG, digest=config_digest(CFG.to_dict()), stamp=())
     tr = DrafterTrainer(s, shared, torch.device("cpu"))
-    stream: list[Sample] = []
+    seqs: list[tuple[torch.Tensor, torch.Tensor, int]] = []
     for step in range(steps):
         tokens = text_sequences(target.spec.data_per_step, SEQ, seed=target.spec.seed, offset=step)
         hidden = target_hidden(m, tokens)
-        stream += [Sample(tokens=tokens[i], hidden=hidden[i], step=step) for i in range(len(tokens))]
-    stream = [x for i, x in enumerate(stream, 1) if i % s.eval_every]     # the online run held these out
+        seqs += [(tokens[i], hidden[i], step) for i in range(len(tokens))]
+    seqs = [x for i, x in enumerate(seqs, 1) if i % s.eval_every]     # the online run held these out
+    c = s.seq_cap        # ... and trained on chunks of seq_cap positions, as here
+    stream = [Sample(tokens=t[a:a + c], hidden=h[a:a + c], step=st) for t, h, st in seqs
+              for a in range(0, max(len(t) - c, 0) + 1, c)]
     done, acc_n, i = 0, 0, 0
     while done < samples:
         batch = [stream[(i + j) % len(stream)] for j in range(min(s.max_micro_batch, samples - done))]

@@ -57,7 +57,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=specmod.GROUP, key="last-handled-configuration")
     settings.posting.enabled = False  # the reconciler posts its own, meaningful Events
-    settings.execution.max_workers = int(os.environ.get("SPECTRAIN_WORKERS", "8"))
+    settings.execution.max_workers = int(os.environ.get("SPECTRAIN_WORKERS", "16"))
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     if "reconciler" not in _state:
@@ -100,7 +100,12 @@ def resync(namespace: str | None, name: str | None, **_: Any) -> None:
 
 
 @kopf.on.event("v1", "pods", labels={builders.LABEL_JOB: kopf.PRESENT})
-def pod_event(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+def pod_event(namespace: str | None, labels: Mapping[str, str], type: str | None = None, **_: Any) -> None:
+    if type == "ADDED":
+        # A new pod: the pass that created it already accounted for it (and a pod that appears
+        # while the operator is down is seen by the resume pass of its job). Its first status
+        # change (scheduled, running) or its deletion is what matters, and triggers a pass.
+        return
     try:
         _trigger(namespace, labels.get(builders.LABEL_JOB))
     except (kopf.TemporaryError, kopf.PermanentError) as exc:

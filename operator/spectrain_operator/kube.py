@@ -134,6 +134,7 @@ class Kube:
             if exc.status == 409:
                 with self._lock:
                     self.creates_conflicted += 1
+                metrics.CREATE_CONFLICTS.labels(kind=str(obj.get("kind", ""))).inc()
                 return None
             raise
 

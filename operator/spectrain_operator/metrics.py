@@ -11,6 +11,9 @@ ERRORS = Counter("spectrain_reconcile_errors_total", "Errors while reconciling, 
 LATENCY = Histogram("spectrain_reconcile_duration_seconds", "Duration of one reconcile pass.",
                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 API_CALLS = Counter("spectrain_api_calls_total", "Requests to the Kubernetes API, by verb.", ["verb"])
+CREATE_CONFLICTS = Counter("spectrain_create_conflicts_total",
+                           "Creates answered 409 AlreadyExists (the object existed already), by kind.",
+                           ["kind"])
 JOBS = Gauge("spectrain_jobs", "SpecTrainJobs known to this operator, by phase.", ["phase"])
 
 PHASES = ("Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed")

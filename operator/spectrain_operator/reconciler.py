@@ -12,11 +12,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from spectrain_operator import builders, metrics
+from spectrain_operator import builders, metrics, scheduling
 from spectrain_operator import spec as specmod
 from spectrain_operator import status as statusmod
 from spectrain_operator.kube import Kube, RejectedError
@@ -25,6 +26,7 @@ Obj = dict[str, Any]
 log = logging.getLogger("spectrain.reconciler")
 
 _VALIDATION_CACHE_MAX = 4096
+_CREATE_WORKERS = 16
 
 
 @dataclass
@@ -44,6 +46,9 @@ class Reconciler:
         self._validation: dict[tuple[str, int], list[str]] = {}
         self.passes = 0
         self.closed = False
+        # Creates of one pass go out concurrently (one round trip for the children, one for the
+        # pods, instead of one per object): a burst of new jobs is bound by API latency.
+        self._pool = ThreadPoolExecutor(_CREATE_WORKERS, thread_name_prefix="spectrain-create")
 
     # ------------------------------------------------------------ triggering
 
@@ -82,6 +87,14 @@ class Reconciler:
             timer.start()
 
     def _fire(self, namespace: str, name: str) -> None:
+        # This timer is done waiting: forget it before the pass runs, so that a requeue the pass
+        # asks for schedules a new timer. (While this thread runs, `is_alive()` is still True and
+        # its due time is in the past: `_requeue` used to take it for an earlier pending timer
+        # and drop the new request, e.g. the TTL of a job that finished in a timer-fired pass.)
+        with self._slots_lock:
+            slot = self._slots.get((namespace, name))
+            if slot is not None and slot.timer is threading.current_thread():
+                slot.timer = None
         try:
             self.trigger(namespace, name)
         except Exception:  # the periodic resync retries; never let a timer thread die loudly
@@ -96,6 +109,7 @@ class Reconciler:
 
     def close(self) -> None:
         self.closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
         with self._slots_lock:
             for slot in self._slots.values():
                 if slot.timer is not None:
@@ -143,6 +157,7 @@ class Reconciler:
         now = self.clock()
         pods = self.kube.list_pods(namespace, builders.selector(job))
         plan = statusmod.decide(job, pods, now)
+        self._track_admission(job, pods, plan)
         if plan.create_nodes:
             plan = self._create(job, pods, now, plan)
         self._execute(job, plan)
@@ -159,11 +174,72 @@ class Reconciler:
         try:
             pod_objs, extras = builders.pods(job, generation=plan.generation, drafter_disabled=plan.drafter_disabled,
                                              nodes=plan.create_nodes)
-            for obj in [*builders.children(job), *extras, *pod_objs]:
-                self.kube.create(obj)
+            admitted = _admitted_by_node(plan.status.get("admittedScheduling"))
+            pod_objs = [scheduling.merge_admitted(p, {"spec": admitted[n]}) if n in admitted else p
+                        for n, p in zip(plan.create_nodes, pod_objs, strict=True)]
+            # Everything but the pods first (the ServiceAccount must exist before a pod naming it
+            # is admitted), then the pods; within each group, order does not matter.
+            self._create_all([*builders.children(job), *extras])
+            self._create_all(pod_objs)
         except (ValueError, RejectedError) as exc:  # a builder refusing the spec, or the API server refusing a child
             return statusmod.decide(job, pods, now, [str(exc)])
         return plan
+
+    def _create_all(self, objs: list[Obj]) -> None:
+        """Create-or-get every object concurrently; raise the first error once all are done."""
+        if len(objs) <= 1:
+            for obj in objs:
+                self.kube.create(obj)
+            return
+        futures = [self._pool.submit(self.kube.create, obj) for obj in objs]
+        errors = [exc for f in futures if (exc := f.exception()) is not None]
+        rejected = [e for e in errors if isinstance(e, RejectedError)]
+        if rejected or errors:
+            raise (rejected or errors)[0]
+
+    def _track_admission(self, job: Obj, pods: list[Obj], plan: statusmod.Plan) -> None:
+        """Remember what a Kueue admission added to the job's pods (`status.admittedScheduling`).
+
+        Kueue's plain-pod integration (the job's pods carry its queue-name label, see
+        scheduling.apply) adds the admitted ResourceFlavor's node selectors and tolerations to each
+        pod when it ungates it. Pods are recreated on every restart, built from the spec, and the
+        old pods are gone by then (and the operator may have restarted meanwhile): so every pass
+        records, per node, what the live pod has beyond what the builder gives it, and `_create`
+        passes the record through `scheduling.merge_admitted`. A node without a live pod keeps its
+        record; suspend forgets everything (Kueue admits the job anew on resume, maybe elsewhere).
+        """
+        st = plan.status
+        labels = (job.get("metadata") or {}).get("labels") or {}
+        old = _admitted_by_node((job.get("status") or {}).get("admittedScheduling")
+                                if isinstance(job.get("status"), dict) else None)
+        if not labels.get(scheduling.KUEUE_QUEUE_LABEL) or st.get("phase") == "Suspended":
+            st.pop("admittedScheduling", None)
+            return
+        nodes = int(job["spec"]["target"]["nodes"])
+        live: dict[int, Obj] = {}
+        for pod in pods:
+            node = statusmod.pod_node(pod)
+            if node is None or not 0 <= node < nodes or (pod.get("metadata") or {}).get("deletionTimestamp"):
+                continue
+            if node not in live or (statusmod.pod_generation(pod) or 0) > (statusmod.pod_generation(live[node]) or 0):
+                live[node] = pod
+        record = {n: v for n, v in old.items() if 0 <= n < nodes}
+        if live:
+            try:
+                built = builders.build_pod(job, 0)
+            except ValueError:  # a builder refusal: _create reports it
+                built = None
+            if built is not None:
+                for node, pod in live.items():
+                    added = _added(built, pod)
+                    if added:
+                        record[node] = added
+                    else:
+                        record.pop(node, None)
+        if record:
+            st["admittedScheduling"] = [{"node": n, **record[n]} for n in sorted(record)]
+        else:
+            st.pop("admittedScheduling", None)
 
     def _finish_invalid(self, job: Obj, errors: list[str]) -> statusmod.Plan | None:
         """A spec that is not even structurally usable for decide(): report it and stop."""
@@ -200,7 +276,58 @@ class Reconciler:
 
     def _write_status(self, job: Obj, new: Obj, old: Obj, events: list[statusmod.Event]) -> None:
         meta = job["metadata"]
-        if any(old.get(k) != v for k, v in new.items()) or any(k not in new for k in old):
+        if _pruned(new) != _pruned(old):
             self.kube.patch_status(meta["namespace"], meta["name"], new, old)
         for event in events:
             self.kube.post_event(job, event)
+
+
+def _added(built: Obj, pod: Obj) -> Obj:
+    """What `pod` has beyond the freshly `built` pod, as scheduling.merge_admitted would keep it."""
+    merged = scheduling.merge_admitted(built, pod)["spec"]
+    own = built.get("spec") or {}
+    selector = {k: v for k, v in (merged.get("nodeSelector") or {}).items()
+                if k not in (own.get("nodeSelector") or {}) and isinstance(v, str)}
+    tolerations = [t for t in (merged.get("tolerations") or [])[len(own.get("tolerations") or []):]
+                   if isinstance(t, dict)]
+    out: Obj = {}
+    if selector:
+        out["nodeSelector"] = selector
+    if tolerations:
+        out["tolerations"] = tolerations
+    return out
+
+
+def _admitted_by_node(value: Any) -> dict[int, Obj]:
+    """status.admittedScheduling parsed defensively: node -> {nodeSelector, tolerations}."""
+    out: dict[int, Obj] = {}
+    for item in value if isinstance(value, list) else []:
+        if not isinstance(item, dict):
+            continue
+        node = item.get("node")
+        if not isinstance(node, int) or isinstance(node, bool) or node < 0:
+            continue
+        selector = item.get("nodeSelector")
+        tolerations = item.get("tolerations")
+        entry: Obj = {}
+        if isinstance(selector, dict):
+            clean = {k: v for k, v in selector.items() if isinstance(k, str) and isinstance(v, str)}
+            if clean:
+                entry["nodeSelector"] = clean
+        if isinstance(tolerations, list):
+            clean_t = [t for t in tolerations if isinstance(t, dict)]
+            if clean_t:
+                entry["tolerations"] = clean_t
+        if entry:
+            out[node] = entry
+    return out
+
+
+def _pruned(value: Any) -> Any:
+    """`value` without null members: a merge patch stores no nulls (it deletes those keys), so a
+    status that only differs from the stored one by nulls needs no write."""
+    if isinstance(value, dict):
+        return {k: _pruned(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.resources
+import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -219,22 +220,45 @@ def _program(expr: str) -> Any:
     return env.program(env.compile(expr))
 
 
-def _cel_walk(value: Any, old: Any, node: Obj, path: str, out: list[str]) -> None:
+_CEL_MEMO: dict[tuple[str, str], tuple[bool, str]] = {}
+_CEL_MEMO_MAX = 8192
+
+
+def _cel_eval(expr: str, value: Any, old: Any, transition: bool) -> tuple[bool, str]:
+    """(rule holds, why it could not be evaluated). A rule is a pure function of self (and oldSelf):
+    results are memoised by the JSON of its inputs, so the many identical sub-objects of similar
+    jobs (a sweep; the defaulted drafter, runPolicy, ... sections) are evaluated once."""
     import celpy
 
+    try:
+        key = (expr, json.dumps([value, old], sort_keys=True, allow_nan=False, default=str))
+    except (TypeError, ValueError):
+        key = None
+    if key is not None and key in _CEL_MEMO:
+        return _CEL_MEMO[key]
+    activation = {"self": celpy.json_to_cel(value)}
+    if transition:
+        activation["oldSelf"] = celpy.json_to_cel(old)
+    try:
+        result = (bool(_program(expr).evaluate(activation)), "")
+    except Exception as exc:  # celpy raises its own error types for overflow, missing fields, ...
+        result = (False, (str(exc).splitlines() or [type(exc).__name__])[0][:120])
+    if key is not None:
+        if len(_CEL_MEMO) >= _CEL_MEMO_MAX:
+            _CEL_MEMO.clear()
+        _CEL_MEMO[key] = result
+    return result
+
+
+def _cel_walk(value: Any, old: Any, node: Obj, path: str, out: list[str]) -> None:
     for r in node.get("x-kubernetes-validations", []):
         expr, message = r["rule"], r.get("message") or f"failed rule {r['rule']}"
         transition = "oldSelf" in expr
         if transition and old is None:
             continue
-        activation = {"self": celpy.json_to_cel(value)}
-        if transition:
-            activation["oldSelf"] = celpy.json_to_cel(old)
-        try:
-            ok = bool(_program(expr).evaluate(activation))
-        except Exception as exc:  # celpy raises its own error types for overflow, missing fields, ...
-            ok = False
-            message = f"{message} (rule {expr!r} could not be evaluated: {str(exc).splitlines()[0][:120]})"
+        ok, failure = _cel_eval(expr, value, old if transition else None, transition)
+        if failure:
+            message = f"{message} (rule {expr!r} could not be evaluated: {failure})"
         if not ok:
             out.append(message if message.startswith(path) and path else
                        (f"{path}: {message}" if path else message))

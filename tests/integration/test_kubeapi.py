@@ -95,3 +95,19 @@ def test_audit_log_records_denials(kube) -> None:
     with pytest.raises(ApiException):
         core.read_namespaced_secret("nope", ns)
     assert kube.denials(since, user) == [f"get secrets {ns}/nope"]
+
+
+def test_custom_resources_accept_empty_strings(kube) -> None:
+    """Guards scripts/build-kube.sh's go-openapi patch: built with Go >= 1.16, an unpatched 1.20
+    apiserver rejects "" in every string field of a custom resource (kubernetes#99804)."""
+    group = f"g{uuid.uuid4().hex[:6]}.example.org"
+    kube.apply({"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"things.{group}"},
+                "spec": {"group": group, "scope": "Namespaced",
+                         "names": {"kind": "Thing", "plural": "things"},
+                         "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                             "type": "object", "properties": {"spec": {"type": "object", "properties": {
+                                 "a": {"type": "string"}, "b": {"type": "string", "default": ""}}}}}}}]}})
+    thing = kube.apply({"apiVersion": f"{group}/v1", "kind": "Thing", "metadata": {"name": "t", "namespace": "default"},
+                        "spec": {"a": ""}})
+    assert thing["spec"] == {"a": "", "b": ""}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import yaml
@@ -14,6 +15,10 @@ from tests.integration.operator_harness import ROOT, Env, env_fixture  # noqa: F
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
+
+
+def parse_time(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(timezone.utc)
 
 
 def test_create_makes_every_child_once_with_owner_references(env: Env) -> None:
@@ -142,15 +147,38 @@ def test_pod_deleted_by_someone_else_is_recreated_and_counted(env: Env) -> None:
 
 
 def test_success_then_ttl_deletes_the_job_and_gc_its_children(env: Env) -> None:
+    from kubernetes import watch
+
     env.kube.start_controller_manager()
-    env.create(env.manifest("ok1", {"runPolicy": {"ttlSecondsAfterFinished": 2}}))
+    ttl = 2
+    env.create(env.manifest("ok1", {"runPolicy": {"ttlSecondsAfterFinished": ttl}}))
     pods = env.wait_pods("ok1", 2)
+    job = env.job("ok1")
+    assert job is not None
+    since = job["metadata"]["resourceVersion"]
     env.run_pods("ok1", pods)
     for p in pods:
         env.exit_pod(p["metadata"]["name"], 0)
-    st = env.wait_phase("ok1", "Succeeded")
-    assert st["ranks"]["succeeded"] == 2
-    wait_for(lambda: env.job("ok1") is None, 20, what="TTL deletes the job")
+    # Every change of the job since `since`, replayed by a watch: Succeeded is only visible for
+    # about `ttl` seconds, which polling under load can miss entirely.
+    changes: list[tuple[str, dict]] = []
+    for ev in watch.Watch().stream(env.custom.list_namespaced_custom_object, "spectrain.io", "v1alpha1", env.ns,
+                                   "spectrainjobs", field_selector="metadata.name=ok1", resource_version=since,
+                                   timeout_seconds=30):
+        changes.append((ev["type"], ev["object"]))
+        if ev["type"] == "DELETED":
+            break
+    env.operator.check_alive()
+    assert changes and changes[-1][0] == "DELETED", \
+        f"TTL did not delete the job: {[(t, o.get('status', {}).get('phase')) for t, o in changes]}\n" \
+        f"{env.operator.log_tail()}"
+    succeeded = next(o for _, o in changes if (o.get("status") or {}).get("phase") == "Succeeded")
+    assert succeeded["status"]["ranks"]["succeeded"] == 2
+    finished = parse_time(succeeded["status"]["completionTime"])
+    deleting = next(o for _, o in changes if o["metadata"].get("deletionTimestamp"))
+    assert parse_time(deleting["metadata"]["deletionTimestamp"]) >= finished + timedelta(seconds=ttl), \
+        "deleted before ttlSecondsAfterFinished passed"
+    assert "TTLExpired" in [e["reason"] for e in env.events("ok1")]
 
     def children_gone() -> bool:
         try:

@@ -127,7 +127,11 @@ class Env:
                 if e.status != 404:
                     raise
         for pod in self.core.list_namespaced_pod(ns).items:
-            self.core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=0)
+            try:
+                self.core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=0)
+            except ApiException as e:
+                if e.status != 404:  # already collected with its job
+                    raise
 
 
 HA_VALUES = {"replicaCount": 2, "peering": {"lifetime": 10}}

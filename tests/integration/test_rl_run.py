@@ -27,7 +27,7 @@ def rl_manifest(tmp_path: Path, steps: int) -> Path:
     t["steps"] = steps
     t["checkpoint"] = {"everySteps": 4, "keep": 2}
     t["data"]["batchSize"] = 4
-    t["rl"].update(groupSize=4, maxNewTokens=24)
+    t["rl"].update(groupSize=4, maxNewTokens=32)
     t["env"] = [{"name": "SPECTRAIN_RL_WARMUP_STEPS", "value": "30"}]
     path = tmp_path / f"demo-rl-{steps}.yaml"
     path.write_text(yaml.safe_dump(job))
@@ -53,7 +53,7 @@ def version(name: str | None) -> int:
 def test_rl_run_trains_the_drafter_in_rollout_tails_and_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     data = run_dir / "run"
-    run(rl_manifest(tmp_path, steps=8), run_dir)
+    run(rl_manifest(tmp_path, steps=12), run_dir)
 
     # RolloutTail windows, closed with their measured length.
     windows = jsonl(data / "metrics" / "windows-rank-0.jsonl")
@@ -72,22 +72,22 @@ def test_rl_run_trains_the_drafter_in_rollout_tails_and_resumes(tmp_path: Path) 
     assert exported >= 1 and (export / "model.safetensors").stat().st_size > 0
     assert json.loads((export / "config.json").read_text())["arch"] == "Eagle"
     # Checkpoints (keep 2) and per-step metrics of the first run.
-    assert sorted(int(p.name.split("-")[1]) for p in data.glob("target/rank-0/step-*")) == [4, 8]
-    steps = jsonl(data / "metrics" / "target-rank-0.jsonl")
-    assert [s["step"] for s in steps] == list(range(1, 9))
-    assert all(s["response_len_max"] >= 1 and 0.0 <= s["reward"] <= 1.0 for s in steps)
-
-    # Resume with more steps: the policy continues from step 8, the sidecar from its checkpoint, and the
-    # first resumed rollout already speculates with the exported drafter (no version 0 restart).
-    run(rl_manifest(tmp_path, steps=12), run_dir, "--resume")
+    assert sorted(int(p.name.split("-")[1]) for p in data.glob("target/rank-0/step-*")) == [8, 12]
     steps = jsonl(data / "metrics" / "target-rank-0.jsonl")
     assert [s["step"] for s in steps] == list(range(1, 13))
-    resumed = steps[8:]
+    assert all(s["response_len_max"] >= 1 and 0.0 <= s["reward"] <= 1.0 for s in steps)
+
+    # Resume with more steps: the policy continues from step 12, the sidecar from its checkpoint, and the
+    # first resumed rollout already speculates with the exported drafter (no version 0 restart).
+    run(rl_manifest(tmp_path, steps=16), run_dir, "--resume")
+    steps = jsonl(data / "metrics" / "target-rank-0.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, 17))
+    resumed = steps[12:]
     assert version(resumed[0]["drafter_version"]) >= exported
     assert all(version(s["drafter_version"]) >= 1 for s in resumed)
     assert sum(s["spec_steps"] for s in resumed) > 0 and max(s["acceptance_length"] for s in resumed) >= 1.0
     setups = [e for e in jsonl(data / "metrics" / "drafter-rank-0.jsonl") if e["event"] == "setup"]
     assert len(setups) == 2 and setups[1]["resumed_version"] >= exported
-    assert sorted(int(p.name.split("-")[1]) for p in data.glob("target/rank-0/step-*")) == [8, 12]
+    assert sorted(int(p.name.split("-")[1]) for p in data.glob("target/rank-0/step-*")) == [12, 16]
     log = (run_dir / "logs").glob("*.target.log")
     assert any("rollouts use drafter" in p.read_text() for p in log)

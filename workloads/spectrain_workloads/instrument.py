@@ -3,11 +3,16 @@
 - Bubble: pre-scheduled. The pipeline executor opens a BUBBLE slot of the schedule (schedule.py)
   right after the previous action ends, before it blocks on the receive that ends the bubble. The
   prediction is the schedule simulated with the EMA of this stage's measured forward/backward
-  times (`record_compute`).
+  times (`record_compute`), times a per-slot correction: the EMA of actual / simulated for that
+  slot. A stage only measures its own F/B, but its bubbles are the other stages' compute (the
+  last stage's LM head and loss make it slower than the rest, for one); the correction learns
+  that per slot, while the simulation still follows changes of F/B times at once.
 - Communication: opened when a collective is launched (DDP bucket all-reduce in the comm hook,
-  pipeline isend, a pipeline receive the stage has to wait for), predicted as bytes / bandwidth
-  EMA, closed on completion. The EMA is kept per (channel, bytes), so a bucket's own history
-  predicts it (latency-dominated small messages included).
+  pipeline isend, a pipeline receive the stage has to wait for), closed on completion. Predicted
+  from the EMA of past durations of the same (channel, bytes, position) (position: the microbatch
+  of a pipeline transfer, so a receive that regularly waits for a slower peer predicts that wait);
+  a key never seen is predicted from the channel's (one per direction) latency + bytes / bandwidth
+  fit, and from `default_bytes_per_ns` before the channel has any sample.
 - Imbalance: reactive and open-ended (predicted 0). Waiting is told from communicating by local
   timestamps only, no extra collective: when a rank reaches a sync point (its compute for the step
   is done, or it needs a tensor a peer has not sent), the transfers it still waits for are
@@ -16,9 +21,9 @@
   for that moment plus `imbalance_min_ns`; if the rank is still
   blocked then, the rest of the wait is a peer's lateness, and the Imbalance window opens at once.
   `sync_end()` closes it. Communication samples that overlapped an Imbalance window are not fed
-  to the bandwidth EMA (they measured the peer, not the link); others are clamped to [1/2, 2] x
-  the prediction so one noisy sample cannot swing it, and the EMA moves faster towards higher
-  bandwidth than lower (an unnoticed late peer looks like a slow link).
+  to the duration EMAs (they measured the peer, not the link); others are clamped to [1/2, 2] x
+  the EMA so one noisy sample cannot swing it, and the EMA moves faster towards shorter
+  durations than longer (an unnoticed late peer looks like a slow link).
 
 Everything here only reads clocks and writes the ring / metrics: it never touches tensors, so
 training with instrumentation on and off is bitwise identical. `enabled=False` turns every call
@@ -46,6 +51,7 @@ class InstrumentOptions:
     ema_alpha: float = 0.3
     imbalance_min_ns: int = 5_000_000      # slack past the expected end of comm before "waiting"
     default_bytes_per_ns: float = 1.0      # 1 GB/s until a channel has been measured
+    default_latency_ns: int = 50_000       # per-message latency until a channel has been measured
 
 
 @dataclass
@@ -60,6 +66,9 @@ class Window:
     local_id: int = 0
     imb_epoch: int = 0
     slot: int = -1          # schedule slot of a Bubble
+    base_ns: float = 0.0    # Bubble: the simulated length before the per-slot correction
+    learn: bool = True      # Bubble: feed the per-slot correction on close
+    pos: int = -1           # Communication: position (pipeline microbatch), part of the EMA key
 
 
 class Instrument:
@@ -78,7 +87,10 @@ class Instrument:
         self._next_local = 0
         self._tf: float | None = None    # EMA forward ns per microbatch
         self._tb: float | None = None    # EMA backward ns per microbatch
-        self._bw: dict[tuple[str, int], float] = {}   # (channel, bytes) -> bytes per ns
+        self._dur: dict[tuple[str, int, int], float] = {}   # (channel, bytes, pos) -> EMA duration ns
+        self._fit: dict[str, _LinearFit] = {}                # channel -> latency + bytes / bandwidth
+        self._slot_ratio: dict[int, float] = {}             # bubble slot -> EMA actual / simulated
+        self._slot_actual: dict[int, float] = {}            # bubble slot -> EMA actual (no simulation yet)
         self._outstanding: dict[int, Window] = {}     # open comm windows by local id
         self._imb_epoch = 0
         self._imbalance: Window | None = None
@@ -133,27 +145,53 @@ class Instrument:
         return rec
 
     # -- bubble ---------------------------------------------------------------------------------
-    def bubble_open(self, predicted_ns: float, slot: int = -1) -> Window | None:
-        """Open scheduled bubble `slot` (predicted 0 until the stage has F/B measurements)."""
+    def predict_bubble_ns(self, simulated_ns: float, slot: int) -> int:
+        """Prediction of bubble `slot` from its simulated length (0: unknown) and its history."""
+        if simulated_ns > 0:
+            return int(simulated_ns * self._slot_ratio.get(slot, 1.0))
+        return int(self._slot_actual.get(slot, 0.0))
+
+    def bubble_open(self, predicted_ns: float, slot: int = -1, *, learn: bool = True) -> Window | None:
+        """Open scheduled bubble `slot`; `predicted_ns` is the schedule's simulated length (0 until
+        the stage has F/B measurements); `learn=False` for a slot whose structure is not the usual
+        one (the first step's leading bubble has no trailing part)."""
         if not self.enabled:
             return None
-        w = self._open(BUBBLE, int(predicted_ns))
-        w.slot = slot
+        w = self._open(BUBBLE, self.predict_bubble_ns(predicted_ns, slot))
+        w.slot, w.base_ns, w.learn = slot, float(predicted_ns), learn
         return w
 
     def bubble_close(self, w: Window | None) -> None:
-        if w is not None:
-            self._close(w)
+        if w is None:
+            return
+        rec = self._close(w)
+        actual = rec["actual_ns"]
+        if not w.learn or actual <= 0 or w.slot < 0:
+            return
+        a = self.opts.ema_alpha
+        with self._lock:
+            old = self._slot_actual.get(w.slot)
+            self._slot_actual[w.slot] = actual if old is None else (1 - a) * old + a * actual
+            if w.base_ns > 0:
+                r = min(max(actual / w.base_ns, 0.05), 20.0)
+                old = self._slot_ratio.get(w.slot)
+                self._slot_ratio[w.slot] = r if old is None else (1 - a) * old + a * r
 
     # -- communication --------------------------------------------------------------------------
-    def predict_comm_ns(self, channel: str, nbytes: int) -> int:
-        bw = self._bw.get((channel, nbytes), self.opts.default_bytes_per_ns)
-        return max(1, int(nbytes / bw))
+    def predict_comm_ns(self, channel: str, nbytes: int, pos: int = -1) -> int:
+        d = self._dur.get((channel, nbytes, pos))
+        if d is not None:
+            return max(1, int(d))
+        fit = self._fit.get(channel)
+        if fit is not None and fit.ready:
+            return max(1, int(fit.predict(nbytes)))
+        return max(1, int(self.opts.default_latency_ns + nbytes / self.opts.default_bytes_per_ns))
 
-    def comm_open(self, channel: str, nbytes: int) -> Window | None:
+    def comm_open(self, channel: str, nbytes: int, pos: int = -1) -> Window | None:
         if not self.enabled:
             return None
-        w = self._open(COMMUNICATION, self.predict_comm_ns(channel, nbytes), channel=channel, nbytes=nbytes)
+        w = self._open(COMMUNICATION, self.predict_comm_ns(channel, nbytes, pos), channel=channel, nbytes=nbytes)
+        w.pos = pos
         with self._lock:
             self._outstanding[w.local_id] = w
         return w
@@ -165,20 +203,21 @@ class Instrument:
             self._outstanding.pop(w.local_id, None)
             contaminated = w.imb_epoch != self._imb_epoch or self._imbalance is not None
         rec = self._close(w, end_ns)
-        if contaminated or rec["actual_ns"] <= 0:
+        actual = rec["actual_ns"]
+        if contaminated or actual <= 0:
             return
-        key = (w.channel, w.nbytes)
-        sample = w.nbytes / rec["actual_ns"]
+        key = (w.channel, w.nbytes, w.pos)
         with self._lock:
-            old = self._bw.get(key)
+            old = self._dur.get(key)
             if old is None:
-                self._bw[key] = sample
+                self._dur[key] = float(actual)
             else:
-                # Faster towards higher bandwidth: slow samples are more often a late peer that
+                # Faster towards shorter durations: long samples are more often a late peer that
                 # went unnoticed than a slower link.
-                a = self.opts.ema_alpha if sample < old else min(1.0, 2 * self.opts.ema_alpha)
-                sample = min(max(sample, old / 2), old * 2)
-                self._bw[key] = (1 - a) * old + a * sample
+                a = self.opts.ema_alpha if actual > old else min(1.0, 2 * self.opts.ema_alpha)
+                sample = min(max(float(actual), old / 2), old * 2)
+                self._dur[key] = (1 - a) * old + a * sample
+            self._fit.setdefault(w.channel, _LinearFit()).add(w.nbytes, float(actual))
 
     def expected_comm_end(self, now: int | None = None) -> int:
         """When the outstanding transfers are expected to be done: the latest start + prediction.
@@ -265,3 +304,28 @@ class _Watchdog(threading.Thread):
                 # Open the window while holding the condition: disarm() cannot slip between the
                 # deadline check and the window, so sync_end() always sees and closes it.
                 self._fire()
+
+
+class _LinearFit:
+    """Exponentially weighted least squares of duration = latency + bytes / bandwidth."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.w, self.x, self.y = d * self.w + 1, d * self.x + x, d * self.y + y
+        self.xx, self.xy = d * self.xx + x * x, d * self.xy + x * y
+
+    @property
+    def ready(self) -> bool:
+        return self.w > 0
+
+    def predict(self, x: float) -> float:
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        if var <= 1e-9 * max(mx * mx, 1.0):      # one message size seen so far: pure bandwidth
+            return my * x / mx if mx > 0 else my
+        slope = max((self.xy / self.w - mx * my) / var, 0.0)
+        return max(my + slope * (x - mx), 0.0)

@@ -5,8 +5,9 @@
 - `metrics/windows-rank-<r>.jsonl`: one line per closed window (instrument.py's record:
   {window_id, kind, stage, step, start_ns, predicted_ns, actual_ns[, channel, bytes]}).
 - Prometheus (prometheus-client) on SPECTRAIN_METRICS_PORT + local rank when the port is > 0.
-- progress: rank 0 calls `spectrain_workloads.podstatus.report_progress(dict)`; until that module
-  exists, `write_progress` writes `progress.json` atomically itself (same shape).
+- progress: rank 0 reports through `spectrain_workloads.podstatus.report_progress(dict)` (progress.json
+  in $SPECTRAIN_RUN_DIR + the pod annotation in a cluster); a run dir given other than through
+  that env var (tests calling the trainer directly) gets its progress.json written here too.
 
 Windows close on other threads (gloo completion, watchdog); `window_closed` only appends to a
 list under a lock, and the training thread writes the files at the end of each step.
@@ -15,6 +16,7 @@ list under a lock, and the training thread writes the files at the end of each s
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import threading
 import time
@@ -33,15 +35,15 @@ def relative_error(rec: dict[str, Any]) -> float | None:
     return abs(rec["predicted_ns"] - rec["actual_ns"]) / rec["actual_ns"]
 
 
-def write_progress(run_dir: str | Path, progress: dict[str, Any]) -> None:
-    """Report progress for status.progress: podstatus when present, else progress.json directly."""
-    try:
-        from spectrain_workloads.podstatus import report_progress  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
+def write_progress(run_dir: str | Path, progress: dict[str, Any], *, flush: bool = False) -> None:
+    """Report progress for status.progress through podstatus (the one status path)."""
+    from spectrain_workloads.podstatus import report_progress
+
+    report_progress(progress, flush=flush)
+    env_dir = os.environ.get("SPECTRAIN_RUN_DIR")
+    if not env_dir or Path(env_dir).resolve() != Path(run_dir).resolve():
         path = Path(run_dir) / "progress.json"
         atomic_write(path, lambda p: p.write_text(json.dumps(progress)))
-        return
-    report_progress(progress)
 
 
 class _Prometheus:
@@ -129,7 +131,7 @@ class MetricsWriter:
             self._last_progress = now
             write_progress(self.run_dir, {
                 "step": step, "totalSteps": self.total_steps, "loss": loss, "tokensPerSecond": tps,
-                "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, flush=final)
         return line
 
     def close(self) -> None:

@@ -4,7 +4,8 @@ One RL step: sample `prompts_per_step` problems, `group_size` rollouts each (Rol
 newest exported drafter, adaptive speculative decoding, lossless); rewards from the task;
 group-normalised advantages A = (r - mean_group) / (std_group + eps); clipped policy loss
 -min(rho A, clip(rho, 1-eps, 1+eps) A) over response tokens (token mean), plus kl_coef x KL(policy ||
-reference) (k3 estimator) when kl_coef > 0; one AdamW step.
+reference) (k3 estimator) when kl_coef > 0; gradients accumulated over length-sorted micro-batches;
+one AdamW step.
 
 Long tail as idle time: when the rollout's active batch drops below tail_fraction x batch (or
 empties), the rank opens a RolloutTail window on the ring (closed when the rollout ends, after the
@@ -53,12 +54,13 @@ class GRPOConfig:
     ppo_epochs: int = 1
     max_grad_norm: float = 1.0
     tail_fraction: float = 0.25    # RolloutTail opens when active batch < tail_fraction x batch, or empties
+    train_micro_batch: int = 8     # rows per policy-update forward (length-sorted; gradients accumulated)
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
             raise ConfigError(f"rl.groupSize must be >= 2 (advantages are group-relative), got {self.group_size}")
-        for name in ("prompts_per_step", "ppo_epochs"):
+        for name in ("prompts_per_step", "ppo_epochs", "train_micro_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"GRPO {name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or self.clip_eps <= 0 or self.kl_coef < 0 or not 0 <= self.tail_fraction <= 1:
@@ -163,8 +165,8 @@ class GRPOTrainer:
         self.last_rollout: tuple[list[Example], RolloutResult] | None = None
 
     # ---- drafter
-    def set_drafter(self, module: nn.Module | None, arch: str | None = None) -> None:
-        self.engine.set_drafter(module, arch)
+    def set_drafter(self, module: nn.Module | None, arch: str | None = None, *, new_version: bool = False) -> None:
+        self.engine.set_drafter(module, arch, new_version=new_version)
 
     def reload_drafter(self, export_dir: str | os.PathLike[str]) -> bool:
         """Load the newest export if LATEST moved since the last rollout; True when a new one was loaded."""
@@ -178,7 +180,8 @@ class GRPOTrainer:
         from spectrain_workloads.drafter.export import load_drafter
 
         module, meta = load_drafter(Path(export_dir) / version, device=self.policy.rope.device)
-        self.set_drafter(module.to(next(self.policy.parameters()).dtype), meta.get("arch"))
+        self.set_drafter(module.to(next(self.policy.parameters()).dtype), meta.get("arch"),
+                         new_version=self.drafter_version is not None)
         self.drafter_version = version
         return True
 
@@ -248,23 +251,40 @@ class GRPOTrainer:
         g, dev = self.cfg.group_size, self.policy.rope.device
         rewards = torch.tensor([self.task.reward(exs[i // g], r) for i, r in enumerate(res.responses)])
         adv = group_advantages(rewards, g).to(dev)
-        seqs = pad_batch(res.sequences, dev)                                          # [N, L]
-        t = torch.arange(seqs.size(1) - 1, device=dev)[None]
-        plen = torch.tensor(res.prompt_lens, device=dev)[:, None]
-        slen = torch.tensor([len(s) for s in res.sequences], device=dev)[:, None]
-        mask = ((t >= plen - 1) & (t < slen - 1)).float()                             # response tokens [N, L-1]
         temp = self.rcfg.temperature
+        # Length-sorted micro-batches, each padded to its own longest row: with long-tailed responses
+        # one long row no longer pads every other row to its length. Same loss (token mean over all
+        # response tokens), accumulated over micro-batches.
+        order = sorted(range(len(res.sequences)), key=lambda i: len(res.sequences[i]))
+        mb = self.cfg.train_micro_batch
+        chunks = []
+        for c in range(0, len(order), mb):
+            idx = order[c: c + mb]
+            seqs = pad_batch([res.sequences[i] for i in idx], dev)                    # [n, L]
+            t = torch.arange(seqs.size(1) - 1, device=dev)[None]
+            plen = torch.tensor([res.prompt_lens[i] for i in idx], device=dev)[:, None]
+            slen = torch.tensor([len(res.sequences[i]) for i in idx], device=dev)[:, None]
+            mask = ((t >= plen - 1) & (t < slen - 1)).float()                         # response tokens [n, L-1]
+            chunks.append((seqs, mask, adv[torch.tensor(idx, device=dev)]))
+        total = sum(float(m.sum()) for _, m, _ in chunks) or 1.0
         self.policy.train()
         with torch.no_grad():
-            old = response_logprobs(self.policy, seqs, temp) if self.cfg.ppo_epochs > 1 else None
-            ref = response_logprobs(self.reference, seqs, temp) if self.reference is not None else None
+            old = [response_logprobs(self.policy, sq, temp) for sq, _, _ in chunks] if self.cfg.ppo_epochs > 1 else None
+            ref = ([response_logprobs(self.reference, sq, temp) for sq, _, _ in chunks]
+                   if self.reference is not None else None)
         loss = kl = torch.zeros(())
         for _ in range(self.cfg.ppo_epochs):
-            logp = response_logprobs(self.policy, seqs, temp)
-            loss, kl = grpo_loss(logp, logp.detach() if old is None else old, adv, mask, self.cfg.clip_eps,
-                                 ref, self.cfg.kl_coef)
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = kl = torch.zeros(())
+            for j, (sq, mask, a) in enumerate(chunks):
+                if mask.sum() == 0:
+                    continue
+                w = float(mask.sum()) / total
+                logp = response_logprobs(self.policy, sq, temp)
+                lc, kc = grpo_loss(logp, logp.detach() if old is None else old[j], a, mask, self.cfg.clip_eps,
+                                   None if ref is None else ref[j], self.cfg.kl_coef)
+                (lc * w).backward()
+                loss, kl = loss + float(lc.detach()) * w, kl + float(kc) * w
             if self.grad_sync is not None:
                 self.grad_sync(self.policy)
             torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm)
@@ -348,9 +368,8 @@ def run(cfg: Any) -> list[float]:
     from spectrain_workloads.checkpoint import CheckpointManager, save_shared
     from spectrain_workloads.metrics import MetricsWriter
     from spectrain_workloads.model import model_config
-    from spectrain_workloads.trainer import RankInfo, TrainerOptions, _device
-
     from spectrain_workloads.shutdown import EXIT_TERMINATED, Terminator, block_sigterm
+    from spectrain_workloads.trainer import RankInfo, TrainerOptions, _device
 
     block_sigterm()          # SIGTERM: a sigwait thread (shutdown.py); saved at the next step boundary
     t = cfg.target
@@ -361,7 +380,10 @@ def run(cfg: Any) -> list[float]:
     opts, rank = TrainerOptions.from_env(), RankInfo.from_env()
     device = _device(opts, rank)
     if device.type == "cpu":
-        torch.set_num_threads(opts.torch_threads or max(1, (os.cpu_count() or 1) // max(1, rank.local_world)))
+        # The drafter sidecar shares these cores (SPECTRAIN_DRAFTER_THREADS, default 1): leave it its
+        # threads, since oversubscribed intra-op threads make every decode step many times slower.
+        spare = int(os.environ.get("SPECTRAIN_DRAFTER_THREADS") or 1) if opts.drafter_enabled else 0
+        torch.set_num_threads(opts.torch_threads or max(1, ((os.cpu_count() or 1) - spare) // max(1, rank.local_world)))
     opts.run_dir.mkdir(parents=True, exist_ok=True)
     if rank.rank == 0:
         TOKENIZER.save(opts.run_dir)
@@ -407,6 +429,10 @@ def run(cfg: Any) -> list[float]:
     if latest is not None:
         trainer.load_state_dict(ckpt.load(latest))
     else:
+        if rank.rank == 0:   # the drafter can set up and calibrate during the warm-up (it refreshes these later)
+            assert policy.tok_embeddings is not None and policy.output is not None
+            save_shared(opts.run_dir, embedding=policy.tok_embeddings.weight, lm_head=policy.output.weight,
+                        model_config=mcfg.to_dict())
         sft_warmup(policy, task, steps=int(os.environ.get("SPECTRAIN_RL_WARMUP_STEPS", "200")), seed=cfg.seed)
         if rank.world > 1:   # identical start on every rank
             for p in policy.parameters():

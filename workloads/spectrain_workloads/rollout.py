@@ -180,9 +180,16 @@ class DraftController:
         self._mode: dict[int, str] = {}       # bucket -> "spec" | "plain" (what the values chose last)
         self.reset_acceptance()
 
-    def reset_acceptance(self) -> None:
-        """A new drafter: acceptance starts from the prior, and probing starts over."""
-        self.accepted, self.trials = self.prior
+    def reset_acceptance(self, carry_trials: float = 0.0) -> None:
+        """A new drafter: probing starts over; acceptance restarts from the prior, or (carry_trials > 0,
+        a newer version of the same drafter) from the current estimate weighted as that many trials,
+        so the new version's own acceptance takes over within a few steps."""
+        if carry_trials > 0 and self.trials > 0:
+            a = self.accepted / self.trials
+            self.trials = min(self.trials, carry_trials)
+            self.accepted = a * self.trials
+        else:
+            self.accepted, self.trials = self.prior
         self._interval.clear()
         self._since.clear()
 
@@ -345,10 +352,13 @@ class RolloutEngine:
         self._kv: list[KVCache] = []
         self.set_drafter(drafter, drafter_arch)
 
-    def set_drafter(self, drafter: nn.Module | DraftAdapter | None, arch: str | None = None) -> None:
-        """Swap the drafter (e.g. a newer exported version); acceptance statistics start over."""
+    def set_drafter(self, drafter: nn.Module | DraftAdapter | None, arch: str | None = None, *,
+                    new_version: bool = False) -> None:
+        """Swap the drafter. new_version: a newer export of the drafter in use (its acceptance estimate
+        carries over with little weight); else acceptance statistics start over from the prior."""
+        had = self.drafter is not None
         self.drafter = as_drafter(drafter, arch) if drafter is not None else None
-        self.controller.reset_acceptance()
+        self.controller.reset_acceptance(carry_trials=8.0 if new_version and had else 0.0)
         self._alloc = (0, 0)
         if self.graphs is not None:
             self.graphs.drop("d")

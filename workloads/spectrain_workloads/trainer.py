@@ -264,17 +264,24 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
                 "rng": boundary["rng"], "loader": {"step": boundary["step"]}, "rank": rank.rank,
                 "stage": stage, "replica": replica}
 
+    def write_shared() -> None:
+        save_shared(opts.run_dir,
+                    embedding=module.tok_embeddings.weight if module.tok_embeddings is not None else None,
+                    lm_head=module.output.weight if module.output is not None else None,
+                    model_config=plan.model.to_dict() if last else None)
+
     def save(step: int) -> None:
         ckpt.save(step, state_at_boundary())
         if replica == 0:
-            save_shared(opts.run_dir,
-                        embedding=module.tok_embeddings.weight if module.tok_embeddings is not None else None,
-                        lm_head=module.output.weight if module.output is not None else None,
-                        model_config=plan.model.to_dict() if last else None)
+            write_shared()
 
+    if replica == 0:
+        # The drafter needs the embedding / LM head from the start, not from the first checkpoint.
+        write_shared()
     term = Terminator(opts.term_grace_s, lambda: save(boundary["step"]))
     losses: list[float | None] = []
     loss_buf = torch.zeros((), dtype=torch.float32, device=device)
+    loss_send: Any = None     # the last stage's previous loss isend (rank 0 receives it after its step)
     tokens_per_step = t.data.batch_size * D   # sequences; times T below
     for step in range(start, t.steps):
         if term.requested.is_set():
@@ -282,7 +289,9 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
         t0 = time.monotonic()
         inputs, targets = loader.batch(step)
         try:
+            t_pipe = time.monotonic_ns()
             out = executor.run(step, inputs, targets)
+            pipeline_ns = time.monotonic_ns() - t_pipe
         except Exception:
             # A peer that saw SIGTERM first has left mid-step and gloo reports the closed
             # connection: save the last completed step like everyone else and go. Our own SIGTERM
@@ -296,8 +305,12 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
             boundary["step"], boundary["rng"] = step + 1, rng_state()
         loss = out.loss
         if P > 1 and replica == 0 and last:
+            # Non-blocking: a blocking send would wait for rank 0 to finish its step, and that
+            # wait (the last stage's cool-down idle time) would vanish from its Bubble windows.
+            if loss_send is not None:
+                loss_send.wait()          # long done: rank 0 received it at the end of the last step
             loss_buf.fill_(loss)
-            dist.send(loss_buf, 0, tag=_LOSS_TAG)
+            loss_send = dist.isend(loss_buf, 0, tag=_LOSS_TAG)
         elif P > 1 and rank.rank == 0:
             dist.recv(loss_buf, P - 1, tag=_LOSS_TAG)
             loss = float(loss_buf)
@@ -305,11 +318,14 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
         dt = time.monotonic() - t0
         metrics.step(step=step, loss=loss, step_time_s=dt, tokens=tokens_per_step * inputs.size(1),
                      extra={"stage": stage, "replica": replica, "seq_len": inputs.size(1),
-                            "forward_ms": sum(out.forward_ns) / 1e6, "backward_ms": sum(out.backward_ns) / 1e6},
+                            "forward_ms": sum(out.forward_ns) / 1e6, "backward_ms": sum(out.backward_ns) / 1e6,
+                            "pipeline_ms": pipeline_ns / 1e6},
                      final=step + 1 == t.steps)
         if (step + 1) % t.checkpoint.every_steps == 0 or step + 1 == t.steps:
             with term.state_lock:
                 save(step + 1)
+    if loss_send is not None:
+        loss_send.wait()
     if term.requested.is_set():
         _exit_terminated(term, save, boundary["step"], metrics, publisher)
     executor.close()

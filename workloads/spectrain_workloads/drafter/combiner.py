@@ -1,8 +1,9 @@
 """What the drafter runs in a window: its sample buffer and the adaptive batch combiner.
 
-- SampleBuffer: the target's published sequences, copied out of the ring, bounded in bytes (the
-  CPU side of the memory cap). Every `eval_every`-th sequence is held out for verification and
-  never trained on. Fresh samples train first (newest first: closest to the current target),
+- SampleBuffer: the target's published sequences, copied out of the ring and cut into chunks of
+  `seq_cap` positions (the drafter's unit of work is one chunk), bounded in bytes (the CPU side
+  of the memory cap). Every `eval_every`-th sequence is held out for verification and never
+  trained on. Fresh samples train first (newest first: closest to the current target),
   then older ones are replayed, each at most `max_reuse` times.
 - BatchCombiner: picks the micro-batch size that processes the most samples in the predicted
   remaining time (micro-step costs measured per size; an unmeasured size is priced by scaling
@@ -50,13 +51,21 @@ class SampleBuffer:
         self._eval_fresh = 0         # held-out samples not yet verified on
 
     def add(self, sample: Sample) -> None:
+        self.add_sequence([sample])
+
+    def add_sequence(self, chunks: list[Sample]) -> None:
+        """The chunks of one published sequence: held out or trained on together (no chunk of a
+        held-out sequence is ever trained on)."""
+        if not chunks:
+            return
         self.received += 1
         if self.received % self.eval_every == 0:
-            self.eval.append(sample)
-            self._eval_fresh += 1
+            self.eval.extend(chunks)
+            self._eval_fresh += len(chunks)
             return
-        self.train.append(sample)
-        self.bytes += sample.nbytes
+        for sample in chunks:
+            self.train.append(sample)
+            self.bytes += sample.nbytes
         while self.bytes > self.max_bytes and len(self.train) > 1:
             old = self.train.popleft()
             self.bytes -= old.nbytes

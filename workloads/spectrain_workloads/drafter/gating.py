@@ -133,14 +133,18 @@ class WindowTracker:
         Known duration: start + predicted, shortened when this kind's windows have tended to end
         early (the (1-confidence) quantile of actual/predicted, if below 1). Open-ended: of the
         past windows of this kind that outlived the current elapsed time, the duration that a
-        `confidence` fraction of them reached.
+        `confidence` fraction of them reached. A window with a known duration that is still open
+        past that end is treated as open-ended from then on (it outlived its prediction: how long
+        windows of its kind that lasted as long went on is the better guess).
         """
         if w.predicted_ns > 0:
             ratios = self.ratios.get(w.kind)
             scale = 1.0
             if ratios and len(ratios) >= min_history:
                 scale = min(1.0, quantile(ratios, 1.0 - confidence))
-            return w.start_ns + int(w.predicted_ns * scale)
+            end = w.start_ns + int(w.predicted_ns * scale)
+            if end > now_ns:
+                return end
         elapsed = now_ns - w.start_ns
         survivors = [d for d in self.durations.get(w.kind, ()) if d > elapsed]
         if len(survivors) < min_history:

@@ -181,16 +181,17 @@ class Metrics:
         self._fh.close()
 
 
-def write_summary(run_dir: str | os.PathLike[str], rank: int, summary: dict[str, Any]) -> None:
-    """status path: podstatus.report_drafter when present, else the summary file written atomically."""
-    try:
-        from spectrain_workloads import podstatus  # written by the operator side; may not exist yet
-    except ImportError:
-        podstatus = None  # type: ignore[assignment]
-    if podstatus is not None and hasattr(podstatus, "report_drafter"):
-        podstatus.report_drafter({**summary, "rank": rank})
-        return
-    path = Path(run_dir) / f"drafter-summary-rank-{rank}.json"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({**summary, "rank": rank}, sort_keys=True))
-    os.replace(tmp, path)
+def write_summary(run_dir: str | os.PathLike[str], rank: int, summary: dict[str, Any], *, flush: bool = False) -> None:
+    """The status path (podstatus.report_drafter: the summary file in $SPECTRAIN_RUN_DIR and, in a
+    cluster, the pod annotation). A run dir given other than through that env var (tests driving
+    a Worker directly) gets its summary file written here too."""
+    from spectrain_workloads import podstatus
+
+    data = {**summary, "rank": rank}
+    podstatus.report_drafter(data, rank=rank, flush=flush)
+    env_dir = os.environ.get("SPECTRAIN_RUN_DIR")
+    if not env_dir or Path(env_dir).resolve() != Path(run_dir).resolve():
+        path = Path(run_dir) / f"drafter-summary-rank-{rank}.json"
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(data, sort_keys=True))
+        os.replace(tmp, path)

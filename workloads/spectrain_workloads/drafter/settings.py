@@ -22,11 +22,11 @@ POLICIES = ("IdleOnly", "Always", "Off")
 # layer always has the target's width); the rest are training hyperparameters.
 DRAFTER_PRESETS: dict[str, dict[str, Any]] = {
     "debug": dict(lm_dim=32, lm_layers=1, lm_heads=2, samples_per_step=8, max_micro_batch=8,
-                  buffer_mb=64, seq_cap=128),
+                  buffer_mb=64, seq_cap=32, eval_samples=16),
     "small": dict(lm_dim=128, lm_layers=2, lm_heads=4, samples_per_step=16, max_micro_batch=16,
-                  buffer_mb=256, seq_cap=512),
+                  buffer_mb=256, seq_cap=128, eval_samples=16),
     "base": dict(lm_dim=512, lm_layers=4, lm_heads=8, samples_per_step=32, max_micro_batch=32,
-                 buffer_mb=1024, seq_cap=2048),
+                 buffer_mb=1024, seq_cap=256, eval_samples=16),
 }
 
 
@@ -52,9 +52,10 @@ class DrafterSettings:
     max_micro_batch: int = 8
     buffer_mb: float = 64               # bound on buffered training samples (CPU memory cap)
     max_reuse: int = 4                  # a buffered sample trains at most this many times
-    seq_cap: int = 128                  # sequences are cut to this many positions
-    eval_every: int = 8                 # every n-th received sample is held out for verification
-    eval_samples: int = 8               # held-out samples kept (the newest)
+    seq_cap: int = 32                   # sequences are cut into chunks of this many positions: one
+                                        # chunk is the unit of work, so short chunks use short windows
+    eval_every: int = 8                 # every n-th received sequence is held out for verification
+    eval_samples: int = 16              # held-out chunks kept (the newest)
     # verification / checkpoints / liveness
     verify_k: int = 4                   # draft length for the expected accepted length
     verify_every_s: float = 5.0

@@ -109,12 +109,21 @@ class Worker:
     def _shutdown(self) -> None:
         """SIGTERM (or end): flush a checkpoint if anything was learnt since the last one."""
         try:
+            if self.consumer is not None:
+                # end records already in the ring: account those windows rather than log their
+                # work as unwindowed
+                self._on_events(self.consumer.poll_windows())
+            if self.trainer is not None and self.combiner.accumulated > 0:
+                # gradients of micro-steps since the last optimizer step: apply them rather than
+                # lose them (they are not checkpointed), so a short run still exports what it learnt
+                self.trainer.optimizer_step(self.combiner.accumulated)
+                self.combiner.note_optimizer_step()
             if self.trainer is not None and self.combiner.optimizer_steps > self.steps_at_ckpt:
                 self._checkpoint("shutdown")
             self.metrics.flush_unwindowed()
             self.reason = "Stopped"
             self._publish()
-            self._summary()
+            self._summary(flush=True)
         finally:
             self.metrics.close()
             if self.consumer is not None:
@@ -212,17 +221,27 @@ class Worker:
             arrays, meta = rec.arrays, rec.meta
             if "tokens" not in arrays:
                 continue
-            tokens = _tensor(arrays["tokens"], None).long()[: self.s.seq_cap]
-            hidden = _tensor(arrays["hidden"], meta.get("dtype"))[: self.s.seq_cap] if "hidden" in arrays else None
+            tokens = _tensor(arrays["tokens"], None).long()
+            hidden = _tensor(arrays["hidden"], meta.get("dtype")) if "hidden" in arrays else None
             if not rec.valid():
                 continue   # overwritten while copying
-            sample = Sample(tokens=tokens, hidden=None if hidden is None else hidden.float(),
-                            step=int(meta.get("step", -1)))
-            if self.trainer is not None and not self.trainer.usable(sample):
+            chunks = self._chunks(tokens, None if hidden is None else hidden.float(), int(meta.get("step", -1)))
+            if self.trainer is not None and chunks and not self.trainer.usable(chunks[0]):
                 continue
-            if tokens.numel() >= 4:
+            if chunks:
                 self.data_seen += 1
-                self.buffer.add(sample)
+                self.buffer.add_sequence(chunks)
+
+    def _chunks(self, tokens: torch.Tensor, hidden: torch.Tensor | None, step: int) -> list[Sample]:
+        """A published sequence cut into chunks of seq_cap positions (the unit of work is one chunk:
+        the smaller it is, the shorter the windows the drafter can use). A tail shorter than a
+        chunk is dropped, unless the whole sequence is (then it is one chunk of its own)."""
+        T, c = tokens.numel(), self.s.seq_cap
+        if T < 4:
+            return []
+        bounds = [(0, T)] if T <= c else [(i, i + c) for i in range(0, T - c + 1, c)]
+        return [Sample(tokens=tokens[a:b].clone(), hidden=None if hidden is None else hidden[a:b].clone(), step=step)
+                for a, b in bounds]
 
     # ------------------------------------------------------------ work inside windows
     def _next_task(self, budget: Budget, starting: bool) -> tuple[str, Any, int | None, int] | None:
@@ -328,14 +347,16 @@ class Worker:
                 if shared is not None:
                     self.trainer.refresh_target(shared)
                     self._stamp = shared.stamp
-        if (self.combiner.optimizer_steps > self.steps_at_ckpt
-                and self._due("checkpoint", self.s.checkpoint_every_s)):
-            self._checkpoint("periodic")
+        if self.combiner.optimizer_steps > self.steps_at_ckpt and (
+                self.version == 0 or self._due("checkpoint", self.s.checkpoint_every_s)):
+            # the first optimizer step exports at once (a deployable artifact early), then periodically
+            self._checkpoint("first" if self.version == 0 else "periodic")
 
     def _checkpoint(self, why: str) -> None:
         tr = self.trainer
         assert tr is not None
         self.version += 1
+        self._last["checkpoint"] = time.monotonic()
         t0 = time.monotonic_ns()
         meta = {"preset": self.s.preset, "rank": self.rank, "target_model_config_digest": tr.target_digest,
                 "target_model_config": tr.target_cfg.to_dict(), "samples_trained": self.combiner.samples_trained,
@@ -388,5 +409,5 @@ class Worker:
             "updatedAt": time.time(),
         }
 
-    def _summary(self) -> None:
-        write_summary(self.run_dir, self.rank, self.summary())
+    def _summary(self, flush: bool = False) -> None:
+        write_summary(self.run_dir, self.rank, self.summary(), flush=flush)

@@ -1,0 +1,198 @@
+"""Reconciler against an in-memory fake of kube.Kube: requeue timers and the Kueue carry-over."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+from spectrain_operator import reconciler as recmod
+from spectrain_operator.reconciler import Reconciler
+from tests.waiting import wait_for
+
+Obj = dict[str, Any]
+NS = "team"
+QUEUE = "kueue.x-k8s.io/queue-name"
+
+
+class FakeKube:
+    """Just enough of kube.Kube: one job, its children and pods in dicts."""
+
+    def __init__(self, job: Obj):
+        self.job = job
+        self.objects: dict[tuple[str, str], Obj] = {}
+        self.creates: list[tuple[str, str]] = []
+
+    def get_job(self, namespace: str, name: str) -> Obj | None:
+        return copy.deepcopy(self.job)
+
+    def list_pods(self, namespace: str, selector: str) -> list[Obj]:
+        return [copy.deepcopy(o) for (kind, _), o in sorted(self.objects.items()) if kind == "Pod"]
+
+    def create(self, obj: Obj) -> Obj | None:
+        key = (obj["kind"], obj["metadata"]["name"])
+        if key in self.objects:
+            return None
+        self.objects[key] = copy.deepcopy(obj)
+        self.creates.append(key)
+        return obj
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        self.objects.pop(("Pod", name), None)
+
+    def patch_status(self, namespace: str, name: str, status: Obj, old: Obj | None = None) -> None:
+        self.job["status"] = recmod._pruned(status)
+
+    def post_event(self, job: Obj, event: Any) -> None:
+        pass
+
+    def missing_claims(self, namespace: str, claims: list[str]) -> list[str]:
+        return []
+
+    def delete_job(self, namespace: str, name: str) -> None:
+        pass
+
+    def pod(self, name: str) -> Obj:
+        return self.objects[("Pod", name)]
+
+
+def job(labels: dict[str, str] | None = None, **spec: Any) -> Obj:
+    base: Obj = {"target": {"image": "img:1", "nodes": 2, "steps": 10,
+                            "parallelism": {"data": 1, "pipeline": 2, "microbatches": 2}},
+                 "runPolicy": {"backoffSeconds": 0},
+                 "scheduling": {"nodeSelector": {"team": "a"}}}
+    base.update(spec)
+    return {"apiVersion": "spectrain.io/v1alpha1", "kind": "SpecTrainJob",
+            "metadata": {"name": "k", "namespace": NS, "uid": "uid-1", "generation": 1, "labels": labels or {}},
+            "spec": base}
+
+
+def generation(pod: Obj) -> str:
+    return str(pod["metadata"]["labels"]["spectrain.io/restart-generation"])
+
+
+def test_a_requeue_asked_for_by_a_timer_fired_pass_is_not_lost() -> None:
+    """A pass run by a requeue timer that asks for another requeue (e.g. a job that finishes in a
+    timer-fired pass and now waits for its TTL) must get one: the firing timer is not pending."""
+    passes: list[float] = []
+    done = threading.Event()
+
+    class Chained(Reconciler):
+        def reconcile_once(self, namespace: str, name: str) -> None:  # type: ignore[override]
+            passes.append(1.0)
+            if len(passes) < 3:
+                self._requeue(namespace, name, 0.01)
+            else:
+                done.set()
+
+    r = Chained(FakeKube(job()))  # type: ignore[arg-type]
+    try:
+        r.trigger(NS, "k")
+        wait_for(done.is_set, 10, what="three chained passes (the second requeue was dropped)")
+    finally:
+        r.close()
+    assert len(passes) == 3
+
+
+def test_an_earlier_pending_requeue_is_kept_and_a_later_one_merged() -> None:
+    fired: list[str] = []
+    r = Reconciler(FakeKube(job()))  # type: ignore[arg-type]
+    r.reconcile_once = lambda ns, name: fired.append(name)  # type: ignore[assignment, method-assign, return-value]
+    try:
+        r._requeue(NS, "k", 0.3)
+        r._requeue(NS, "k", 30.0)  # later: the pending earlier timer covers it
+        wait_for(lambda: fired, 10, what="the earlier requeue")
+        assert fired == ["k"]
+    finally:
+        r.close()
+
+
+def _admit(kube: FakeKube, flavor: str) -> None:
+    """Play Kueue's plain-pod admission: add the flavor's node label and toleration to each pod."""
+    for (kind, _), pod in kube.objects.items():
+        if kind == "Pod":
+            pod["spec"].setdefault("nodeSelector", {})["cloud.example/flavor"] = flavor
+            pod["spec"].setdefault("tolerations", []).append(
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
+            # the API server's defaults are not Kueue's doing
+            pod["spec"]["tolerations"].append({"key": "node.kubernetes.io/not-ready", "operator": "Exists",
+                                               "effect": "NoExecute", "tolerationSeconds": 300})
+
+
+def _fail(kube: FakeKube, name: str) -> None:
+    kube.pod(name)["status"] = {"phase": "Failed", "containerStatuses": [
+        {"name": "target", "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}]}
+
+
+def test_kueue_admission_is_carried_over_to_recreated_pods_even_across_an_operator_restart() -> None:
+    kube = FakeKube(job({QUEUE: "team-a"}))
+    r = Reconciler(kube)  # type: ignore[arg-type]
+    r.reconcile_once(NS, "k")
+    assert {generation(kube.pod(f"k-{n}")) for n in (0, 1)} == {"0"}
+    assert kube.pod("k-0")["metadata"]["labels"][QUEUE] == "team-a"
+    _admit(kube, "a100")
+    r.reconcile_once(NS, "k")
+    recorded = kube.job["status"]["admittedScheduling"]
+    assert [e["node"] for e in recorded] == [0, 1]
+    assert recorded[0]["nodeSelector"] == {"cloud.example/flavor": "a100"}  # not spec.scheduling's team=a
+    assert recorded[0]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    r.close()
+
+    r = Reconciler(kube)  # the operator restarted: only the status remembers the admission
+    _fail(kube, "k-1")
+    r.reconcile_once(NS, "k")  # restart: the old pods are deleted
+    assert not [k for k in kube.objects if k[0] == "Pod"]
+    r.reconcile_once(NS, "k")  # recreated
+    for n in (0, 1):
+        pod = kube.pod(f"k-{n}")
+        assert generation(pod) == "1"
+        assert pod["spec"]["nodeSelector"] == {"team": "a", "cloud.example/flavor": "a100"}
+        assert pod["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                               "effect": "NoSchedule"}]
+    assert kube.job["status"]["restarts"] == 1
+    r.close()
+
+
+def test_suspend_forgets_the_admission_and_jobs_without_a_queue_record_nothing() -> None:
+    kube = FakeKube(job({QUEUE: "team-a"}))
+    r = Reconciler(kube)  # type: ignore[arg-type]
+    r.reconcile_once(NS, "k")
+    _admit(kube, "a100")
+    r.reconcile_once(NS, "k")
+    assert kube.job["status"]["admittedScheduling"]
+    kube.job["spec"]["suspend"] = True  # Kueue preempts the job
+    r.reconcile_once(NS, "k")
+    assert kube.job["status"]["phase"] == "Suspended" and "admittedScheduling" not in kube.job["status"]
+    kube.job["spec"]["suspend"] = False
+    r.reconcile_once(NS, "k")
+    assert "cloud.example/flavor" not in kube.pod("k-0")["spec"]["nodeSelector"]
+    r.close()
+
+    plain = FakeKube(job())
+    r = Reconciler(plain)  # type: ignore[arg-type]
+    r.reconcile_once(NS, "k")
+    _admit(plain, "a100")  # not a Kueue job: whatever else touched the pods is not carried over
+    r.reconcile_once(NS, "k")
+    assert "admittedScheduling" not in plain.job["status"]
+    r.close()
+
+
+def test_a_forged_admission_record_is_parsed_defensively() -> None:
+    assert recmod._admitted_by_node([{"node": "0"}, {"node": True}, "x", {"node": 1, "nodeSelector": {"a": 1}},
+                                     {"node": 2, "nodeSelector": {"a": "b"}, "tolerations": ["t", {"key": "k"}]}]) \
+        == {2: {"nodeSelector": {"a": "b"}, "tolerations": [{"key": "k"}]}}
+    assert recmod._admitted_by_node({"node": 0}) == {}
+
+
+def test_a_status_differing_only_by_nulls_is_not_rewritten() -> None:
+    kube = FakeKube(job())
+    writes: list[Obj] = []
+    patch = kube.patch_status
+    kube.patch_status = lambda ns, name, st, old=None: (writes.append(st), patch(ns, name, st, old))  # type: ignore[method-assign]
+    r = Reconciler(kube)  # type: ignore[arg-type]
+    r.reconcile_once(NS, "k")
+    assert writes and writes[0]["drafter"].get("acceptanceLength", "absent") is None  # a null the server drops
+    r.reconcile_once(NS, "k")
+    r.reconcile_once(NS, "k")
+    assert len(writes) == 1
+    r.close()
