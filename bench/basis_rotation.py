@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import print_table, write_results
-from spectrain_workloads.async_pipeline import batch_at, delays, load_tokens, simulate, stage_named_params
+from spectrain_workloads.async_pipeline import delays, simulate, stage_named_params
 from spectrain_workloads.config import BasisRotationSpec, OptimizerSpec
+from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
 from spectrain_workloads.model import ModelConfig, Transformer
 from spectrain_workloads.optim import PipeDreamLR, build_optimizer, param_groups
 
@@ -62,16 +63,15 @@ OPTIMIZERS = ("adamw", "pipedream_lr", "basis_rotation", "basis_rotation_stage_a
 class Task:
     def __init__(self, s: Setup) -> None:
         self.s = s
-        tokens = load_tokens("builtin:python-stdlib", max_bytes=s.data_bytes)
-        cut = int(tokens.numel() * 0.95)
-        self.train, held = tokens[:cut], tokens[cut:]
-        self.eval_set = [batch_at(held, 10**6 + i, batch_size=s.batch, seq_len=s.seq_len, seed=0)
-                         for i in range(s.eval_batches)]
+        corpus = load_corpus("builtin:python-stdlib", max_bytes=s.data_bytes)   # token ids [N]
+        cut = int(corpus.size * 0.95)
+        self.train, held = corpus[:cut], TokenLoader(corpus[cut:], LoaderSpec(seq_len=s.seq_len, batch_size=s.batch))
+        self.eval_set = [held.batch(i) for i in range(s.eval_batches)]   # distinct held-out windows
         self.cfg = ModelConfig(vocab_size=264, dim=s.dim, n_layers=s.n_layers, n_heads=s.n_heads,
                                max_seq_len=s.seq_len)
 
     def batch(self, seed: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
-        return lambda t: batch_at(self.train, t, batch_size=self.s.batch, seq_len=self.s.seq_len, seed=seed)
+        return TokenLoader(self.train, LoaderSpec(seq_len=self.s.seq_len, batch_size=self.s.batch, seed=seed)).batch
 
     def eval_loss(self, model: Transformer) -> float:
         return statistics.fmean(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() for x, y in self.eval_set)

@@ -37,7 +37,7 @@ ALPHA = 0.8          # answer-length tail index (tasks default 1.2): a heavier t
 def main() -> None:
     args = parse_args(__doc__ or "")
     torch.set_num_threads(1)
-    sft_steps, rl_steps, dsteps = (120, 6, 25) if args.quick else (300, 16, 60)
+    sft_steps, rl_steps, dsteps = (100, 6, 25) if args.quick else (300, 16, 60)
     warm_task, task = get_task("copy", max_len=56, alpha=ALPHA), get_task("sort", max_len=56, alpha=ALPHA)
     policy = Transformer(model_config("debug", POLICY, vocab_size=264))
     policy.init_weights(0)

@@ -103,11 +103,14 @@ class Kube:
             status, data = resp.status, resp.data
         except (HTTPError, OSError, ValueError) as exc:
             raise TransientError(f"{method} {path}: {exc}") from exc
-        if status == 404:
+        if status == 404 and method != "POST":
             return None
         if not 200 <= status < 300:
             text = f"{method} {path}: {status} {_reason(data)}"
-            if status in (409, 429) or status >= 500:
+            # POST 404: something the new object refers to is not visible yet, e.g. the Role of a
+            # RoleBinding created a moment earlier (the apiserver's RBAC escalation check reads roles
+            # from an informer cache). Not success: retry.
+            if status in (409, 429) or status >= 500 or status == 404:
                 raise TransientError(text, status)
             raise RejectedError(text, status)
         return json.loads(data) if data else {}

@@ -25,6 +25,7 @@ from spectrain_workloads.config import (
     Parallelism,
     TargetSpec,
 )
+from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
 from spectrain_workloads.model import Transformer, model_config
 from spectrain_workloads.optim import build_optimizer
 from spectrain_workloads.tokenizer import ByteTokenizer
@@ -78,9 +79,9 @@ def _simulate(source: str, max_staleness: int | None) -> tuple[list[float], dict
     model.init_weights(cfg.seed)
     opts = [build_optimizer(ap.stage_named_params(model, k, 2), cfg.target.optimizer, stage=k, n_stages=2)
             for k in range(2)]
-    tokens = ap.load_tokens(source)
-    res = ap.simulate(model, opts, lambda t: ap.batch_at(tokens, t, batch_size=4, seq_len=16, seed=cfg.seed),
-                      STEPS, max_staleness=max_staleness, lr_at=lambda t: ap.lr_scale(t, STEPS))
+    loader = TokenLoader(load_corpus(source), LoaderSpec(seq_len=16, batch_size=4, seed=cfg.seed))
+    res = ap.simulate(model, opts, loader.batch, STEPS, max_staleness=max_staleness,
+                      lr_at=lambda t: ap.lr_scale(t, STEPS))
     return res.losses, model.state_dict()
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from spectrain_workloads.async_pipeline import batch_at, delays, simulate, stage_named_params, stage_of
+from spectrain_workloads.async_pipeline import delays, simulate, stage_named_params, stage_of
 from spectrain_workloads.config import OptimizerSpec
+from spectrain_workloads.data import LoaderSpec, TokenLoader
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import ModelConfig, Transformer
 from spectrain_workloads.optim import build_optimizer
@@ -19,12 +21,13 @@ pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
 
 CFG = ModelConfig(dim=16, n_layers=4, n_heads=2, max_seq_len=16, vocab_size=40)
-TOKENS = torch.randint(0, 40, (2000,), generator=torch.Generator().manual_seed(3))
+CORPUS = np.random.default_rng(3).integers(0, 40, 2000).astype(np.uint16)   # token ids [2000]
+LOADER = TokenLoader(CORPUS, LoaderSpec(seq_len=8, batch_size=3))
 SPEC = OptimizerSpec(name="AdamW", lr=3e-3)
 
 
 def _batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return batch_at(TOKENS, t, batch_size=3, seq_len=8, seed=0)
+    return LOADER.batch(t)
 
 
 def _model() -> Transformer:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from torch import nn
 from torch.func import functional_call
 
 from spectrain_workloads.config import JobConfig
+from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import ModelConfig, Transformer, model_config
 from spectrain_workloads.optim import build_optimizer
@@ -43,46 +43,7 @@ from spectrain_workloads.tokenizer import ByteTokenizer
 
 Weights = dict[str, torch.Tensor]
 
-# ---- data (swap for spectrain_workloads.data once it exists) ---------------------------------
-
-
-def load_tokens(source: str, *, max_bytes: int = 8 << 20) -> torch.Tensor:
-    """Byte tokens [N] (int64) of a text source: builtin:python-stdlib, file:///dir, pvc://claim/path."""
-    if source == "builtin:python-stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(p for p in root.glob("*.py"))                    # top-level modules: stable, varied
-    elif source.startswith(("file://", "pvc://")):
-        if source.startswith("file://"):
-            root = Path(source[len("file://"):])
-        else:
-            root = Path(os.environ.get("SPECTRAIN_DATA_ROOT", "/var/run/spectrain/data")) / source[len("pvc://"):]
-        files = sorted(root.rglob("*")) if root.is_dir() else [root]
-        files = [p for p in files if p.is_file()]
-    else:
-        raise ConfigError(f"spec.target.data.source {source!r}: use builtin:python-stdlib, file:///dir or pvc://claim/path")
-    chunks, total = [], 0
-    for p in files:
-        data = p.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    blob = b"".join(chunks)[:max_bytes]
-    if len(blob) < 1024:
-        raise ConfigError(f"spec.target.data.source {source!r} holds {len(blob)} bytes; it needs at least 1 KiB of text")
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).long()
-
-
-def batch_at(tokens: torch.Tensor, step: int, *, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Minibatch `step` (a pure function of seed and step, so a resumed run sees the same data).
-
-    Returns inputs x [B, T] and next-token targets y [B, T].
-    """
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch_size,), generator=gen)
-    idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]         # [B, T+1]
-    window = tokens[idx]
-    return window[:, :-1], window[:, 1:]
+# ---- schedule -------------------------------------------------------------------------------
 
 
 def lr_scale(step: int, total_steps: int) -> float:
@@ -409,11 +370,12 @@ def run(cfg: JobConfig, *, max_staleness: int | None = None) -> dict[str, Any]:
     module = Transformer.stage(mcfg, k, P).to(device)
     module.init_weights(cfg.seed)
     opt = build_optimizer(module, cfg.target.optimizer, stage=k, n_stages=P)
-    tokens = load_tokens(data.source)
+    corpus = load_corpus(data.source, max_bytes=int(os.environ.get("SPECTRAIN_DATA_MAX_BYTES", 8 << 20)))
+    loader = TokenLoader(corpus, LoaderSpec(seq_len=data.seq_len, batch_size=data.batch_size, seed=cfg.seed))
     steps = cfg.target.steps
     runner = StageRunner(
         module=module, opt=opt, stage=k, n_stages=P, delay=delays(P, max_staleness)[k],
-        batch=lambda t: batch_at(tokens, t, batch_size=data.batch_size, seq_len=data.seq_len, seed=cfg.seed),
+        batch=loader.batch,
         total_steps=steps, device=device, hidden_shape=(data.batch_size, data.seq_len, mcfg.dim))
     rank_dir = run_dir / "target" / f"rank-{rank}"
     start = _resume(runner, rank_dir, P, device)

@@ -3,13 +3,13 @@
 - Bubble: pre-scheduled. The pipeline executor opens a BUBBLE slot of the schedule (schedule.py)
   right after the previous action ends, before it blocks on the receive that ends the bubble. The
   prediction is the schedule simulated with the EMA of this stage's measured forward/backward
-  times (`record_compute`), times a per-slot correction: the EMA of actual / simulated for that
+  times (`record_compute`), times a per-slot correction: the median of recent actual / simulated for that
   slot. A stage only measures its own F/B, but its bubbles are the other stages' compute (the
   last stage's LM head and loss make it slower than the rest, for one); the correction learns
   that per slot, while the simulation still follows changes of F/B times at once.
 - Communication: opened when a collective is launched (DDP bucket all-reduce in the comm hook,
   pipeline isend, a pipeline receive the stage has to wait for), closed on completion. Predicted
-  from the EMA of past durations of the same (channel, bytes, position) (position: the microbatch
+  as the median of the recent durations of the same (channel, bytes, position) (position: the microbatch
   of a pipeline transfer, so a receive that regularly waits for a slower peer predicts that wait);
   a key never seen is predicted from the channel's (one per direction) latency + bytes / bandwidth
   fit, and from `default_bytes_per_ns` before the channel has any sample.
@@ -21,9 +21,9 @@
   for that moment plus `imbalance_min_ns`; if the rank is still
   blocked then, the rest of the wait is a peer's lateness, and the Imbalance window opens at once.
   `sync_end()` closes it. Communication samples that overlapped an Imbalance window are not fed
-  to the duration EMAs (they measured the peer, not the link); others are clamped to [1/2, 2] x
-  the EMA so one noisy sample cannot swing it, and the EMA moves faster towards shorter
-  durations than longer (an unnoticed late peer looks like a slow link).
+  to the duration history (they measured the peer, not the link). Medians rather than means: on
+  a shared CPU, sub-millisecond transfers have a heavy tail of scheduling delays that would pull
+  a mean (and so the typical window's prediction) far off.
 
 Everything here only reads clocks and writes the ring / metrics: it never touches tensors, so
 training with instrumentation on and off is bitwise identical. `enabled=False` turns every call
@@ -35,8 +35,10 @@ Thread safety: windows are opened/closed from the training thread, the gloo comp
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +54,7 @@ class InstrumentOptions:
     imbalance_min_ns: int = 5_000_000      # slack past the expected end of comm before "waiting"
     default_bytes_per_ns: float = 1.0      # 1 GB/s until a channel has been measured
     default_latency_ns: int = 50_000       # per-message latency until a channel has been measured
+    history: int = 8                       # recent samples per bubble slot / transfer key (medians)
 
 
 @dataclass
@@ -87,10 +90,10 @@ class Instrument:
         self._next_local = 0
         self._tf: float | None = None    # EMA forward ns per microbatch
         self._tb: float | None = None    # EMA backward ns per microbatch
-        self._dur: dict[tuple[str, int, int], float] = {}   # (channel, bytes, pos) -> EMA duration ns
+        self._dur: dict[tuple[str, int, int], deque[float]] = {}   # (channel, bytes, pos) -> recent ns
         self._fit: dict[str, _LinearFit] = {}                # channel -> latency + bytes / bandwidth
-        self._slot_ratio: dict[int, float] = {}             # bubble slot -> EMA actual / simulated
-        self._slot_actual: dict[int, float] = {}            # bubble slot -> EMA actual (no simulation yet)
+        self._slot_ratio: dict[int, deque[float]] = {}      # bubble slot -> recent actual / simulated
+        self._slot_actual: dict[int, deque[float]] = {}     # bubble slot -> recent actual (no simulation yet)
         self._outstanding: dict[int, Window] = {}     # open comm windows by local id
         self._imb_epoch = 0
         self._imbalance: Window | None = None
@@ -147,9 +150,11 @@ class Instrument:
     # -- bubble ---------------------------------------------------------------------------------
     def predict_bubble_ns(self, simulated_ns: float, slot: int) -> int:
         """Prediction of bubble `slot` from its simulated length (0: unknown) and its history."""
-        if simulated_ns > 0:
-            return int(simulated_ns * self._slot_ratio.get(slot, 1.0))
-        return int(self._slot_actual.get(slot, 0.0))
+        with self._lock:
+            ratios, actuals = self._slot_ratio.get(slot), self._slot_actual.get(slot)
+            if simulated_ns > 0:
+                return int(simulated_ns * (statistics.median(ratios) if ratios else 1.0))
+            return int(statistics.median(actuals)) if actuals else 0
 
     def bubble_open(self, predicted_ns: float, slot: int = -1, *, learn: bool = True) -> Window | None:
         """Open scheduled bubble `slot`; `predicted_ns` is the schedule's simulated length (0 until
@@ -168,23 +173,21 @@ class Instrument:
         actual = rec["actual_ns"]
         if not w.learn or actual <= 0 or w.slot < 0:
             return
-        a = self.opts.ema_alpha
+        n = self.opts.history
         with self._lock:
-            old = self._slot_actual.get(w.slot)
-            self._slot_actual[w.slot] = actual if old is None else (1 - a) * old + a * actual
+            self._slot_actual.setdefault(w.slot, deque(maxlen=n)).append(float(actual))
             if w.base_ns > 0:
-                r = min(max(actual / w.base_ns, 0.05), 20.0)
-                old = self._slot_ratio.get(w.slot)
-                self._slot_ratio[w.slot] = r if old is None else (1 - a) * old + a * r
+                self._slot_ratio.setdefault(w.slot, deque(maxlen=n)).append(min(max(actual / w.base_ns, 0.05), 20.0))
 
     # -- communication --------------------------------------------------------------------------
     def predict_comm_ns(self, channel: str, nbytes: int, pos: int = -1) -> int:
-        d = self._dur.get((channel, nbytes, pos))
-        if d is not None:
-            return max(1, int(d))
-        fit = self._fit.get(channel)
-        if fit is not None and fit.ready:
-            return max(1, int(fit.predict(nbytes)))
+        with self._lock:
+            d = self._dur.get((channel, nbytes, pos))
+            if d:
+                return max(1, int(statistics.median(d)))
+            fit = self._fit.get(channel)
+            if fit is not None and fit.ready:
+                return max(1, int(fit.predict(nbytes)))
         return max(1, int(self.opts.default_latency_ns + nbytes / self.opts.default_bytes_per_ns))
 
     def comm_open(self, channel: str, nbytes: int, pos: int = -1) -> Window | None:
@@ -208,15 +211,7 @@ class Instrument:
             return
         key = (w.channel, w.nbytes, w.pos)
         with self._lock:
-            old = self._dur.get(key)
-            if old is None:
-                self._dur[key] = float(actual)
-            else:
-                # Faster towards shorter durations: long samples are more often a late peer that
-                # went unnoticed than a slower link.
-                a = self.opts.ema_alpha if actual > old else min(1.0, 2 * self.opts.ema_alpha)
-                sample = min(max(float(actual), old / 2), old * 2)
-                self._dur[key] = (1 - a) * old + a * sample
+            self._dur.setdefault(key, deque(maxlen=self.opts.history)).append(float(actual))
             self._fit.setdefault(w.channel, _LinearFit()).add(w.nbytes, float(actual))
 
     def expected_comm_end(self, now: int | None = None) -> int:

@@ -208,8 +208,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     with_d = _median(step_times(ranks))
     base = run_dir / "baseline"
     without = _median(step_times(load(base))) if base.exists() else None
-    accs = [rd.summary.get("acceptanceLength") for rd in ranks.values()]
-    accs = [a for a in accs if isinstance(a, (int, float))]
+    accs: list[float] = [a for a in (rd.summary.get("acceptanceLength") for rd in ranks.values())
+                         if isinstance(a, (int, float))]
     losses = [rd.steps[-1]["loss"] for rd in ranks.values() if rd.steps and "loss" in rd.steps[-1]]
     return {
         "ranks": len(ranks),

@@ -209,8 +209,9 @@ class Worker:
         unit = self.gate.unit_ns()
         threshold = (unit or 0) + self.gate.margin_ns
         for cw in self.tracker.update(events):
-            # Windows that began before the drafter could work feed the history, not the accounting.
-            if cw.start_ns >= self.ready_ns:
+            # Windows that began before the drafter could work feed the history, not the accounting
+            # (unless it did work in them: that work is accounted with its window).
+            if cw.start_ns >= self.ready_ns or cw.window_id in self.metrics.pending:
                 self.metrics.window_closed(cw, threshold)
 
     def _drain_data(self, limit: int = 64) -> None:

@@ -51,6 +51,7 @@ class BasisRotation(torch.optim.Optimizer):
         basis_beta: float = 0.95,
         max_dim: int = 4096,
         rotate: bool = True,
+        reproject: bool = True,
     ) -> None:
         base = "spec.target.optimizer"
         _check(f"{base}.lr", lr > 0, f"must be > 0, got {lr}")
@@ -67,7 +68,7 @@ class BasisRotation(torch.optim.Optimizer):
         _check("max_dim", max_dim >= 1, f"must be >= 1, got {max_dim}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, refresh_every=int(refresh_every),
                         warmup_steps=warmup_steps, geometry=geometry, source=source, basis_beta=basis_beta,
-                        max_dim=max_dim, rotate=rotate)
+                        max_dim=max_dim, rotate=rotate, reproject=reproject)
         super().__init__(params, defaults)
 
     # ---- per-parameter state ---------------------------------------------------------------
@@ -119,8 +120,14 @@ class BasisRotation(torch.optim.Optimizer):
         return x
 
     @staticmethod
-    def _refresh_side(st: dict[str, Any], side: str) -> None:
-        """Refresh Q_L (side 'left', rows of V~) or Q_R ('right', columns of V~)."""
+    def _refresh_side(st: dict[str, Any], side: str, reproject: bool) -> None:
+        """Refresh Q_L (side 'left', rows of V~) or Q_R ('right', columns of V~), and carry V~ over.
+
+        V~ is re-estimated in the new basis: with C = Q_old^T Q_new [d, d] (old directions a, new
+        directions i), the variance along new direction i is sum_a C[a, i]^2 V~[a, ...] (exact for
+        independent rotated coordinates; preserves the total; a pure permutation when the basis only
+        reorders). `reproject=False` keeps SOAP's rule: V~ is only permuted with the sorted columns.
+        """
         stat, q = st[f"stat_{side}"], st[f"basis_{side}"]                  # [d, d], [d, d]
         if st["refreshes"] == 0:                                           # first time: full eigh
             eye = torch.eye(stat.shape[0], dtype=torch.float64, device=stat.device)
@@ -131,10 +138,13 @@ class BasisRotation(torch.optim.Optimizer):
             est = (q * (stat @ q)).sum(0)                                  # [d] eigenvalue estimates diag(Q^T L Q)
             order = torch.argsort(est, descending=True)
             new_q, _ = torch.linalg.qr(stat @ q[:, order])
-        st[f"basis_{side}"] = new_q.contiguous()
-        if order is not None:                                              # keep V~ aligned with the columns
-            v = st["exp_avg_sq"]
+        v = st["exp_avg_sq"]                                               # V~ [m, n]
+        if reproject:
+            c2 = (q.T @ new_q).square().to(v.dtype)                        # C∘C [d, d], columns sum to 1
+            st["exp_avg_sq"] = (c2.T @ v if side == "left" else v @ c2).contiguous()
+        elif order is not None:                                            # keep V~ aligned with the columns
             st["exp_avg_sq"] = (v[order] if side == "left" else v[:, order]).contiguous()
+        st[f"basis_{side}"] = new_q.contiguous()
 
     # ---- step ------------------------------------------------------------------------------
 
@@ -168,7 +178,7 @@ class BasisRotation(torch.optim.Optimizer):
                     if since >= 0 and since % group["refresh_every"] == 0:
                         for side in ("left", "right"):
                             if f"basis_{side}" in st:
-                                self._refresh_side(st, side)
+                                self._refresh_side(st, side, group.get("reproject", True))
                         st["refreshes"] += 1
                     g = self._to_rotated(g, st)                            # G~
                     m = self._to_rotated(m, st)                            # M~
