@@ -55,16 +55,30 @@ def param_groups(params_or_model: Any, *, weight_decay: float = WEIGHT_DECAY) ->
     return [g for g in groups if g["params"]]
 
 
-def stage_refresh_every(refresh_every: int, stage: int, n_stages: int) -> int:
-    """Refresh interval of `stage` under stageAware.
+def stage_refresh_every(refresh_every: int, stage: int, n_stages: int) -> float:
+    """Refresh interval (steps, possibly fractional) of `stage` under stageAware.
 
-    The total budget stays that of a uniform schedule (n_stages refreshes per `refresh_every`
-    steps); stage k gets a share proportional to its staleness + 1 (P - k: the last stage, with no
-    staleness, still refreshes, just least often).
+    The total budget is that of the uniform schedule, n_stages / refresh_every refreshes per step,
+    split across the stages in proportion to their staleness + 1 (P - k: gradient age in updates, so
+    the synchronous last stage still refreshes, just least often; stage 0 is the stalest). A stage
+    cannot refresh more than once per step: its excess goes to the others, in the same proportion
+    (so with refresh_every 1 every stage refreshes every step, like uniform).
     """
-    weights = [n_stages - k for k in range(n_stages)]                 # staleness d_k + 1
-    share = n_stages * weights[stage] / sum(weights)                   # refreshes per uniform one
-    return max(1, round(refresh_every / share))
+    weights = [float(n_stages - k) for k in range(n_stages)]           # staleness d_k + 1
+    rates = [0.0] * n_stages                                            # refreshes per step
+    free, budget = set(range(n_stages)), n_stages / refresh_every
+    while free:
+        share = budget / sum(weights[k] for k in free)
+        capped = {k for k in free if share * weights[k] >= 1.0}
+        if not capped:
+            for k in free:
+                rates[k] = share * weights[k]
+            break
+        for k in capped:
+            rates[k] = 1.0
+        free -= capped
+        budget -= len(capped)
+    return 1.0 / rates[stage]
 
 
 def _validate(spec: OptimizerSpec, stage: int, n_stages: int) -> None:

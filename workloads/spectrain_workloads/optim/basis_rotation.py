@@ -35,6 +35,13 @@ def _check(field: str, ok: bool, msg: str) -> None:
         raise ConfigError(f"{field}: {msg}")
 
 
+def _refresh_due(since: int, every: float) -> bool:
+    """Refresh at step `since` (0-based, after warm-up) of an interval `every` >= 1, which may be
+    fractional (stage-aware shares): on average 1 / every refreshes per step, the first at 0. For an
+    integer interval this is since % every == 0."""
+    return since == 0 or math.floor(since / every) != math.floor((since - 1) / every)
+
+
 class BasisRotation(torch.optim.Optimizer):
     def __init__(
         self,
@@ -44,7 +51,7 @@ class BasisRotation(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        refresh_every: int = 10,
+        refresh_every: float = 10,
         warmup_steps: int = 0,
         geometry: str = "Bilateral",
         source: str = "SecondMoment",
@@ -55,8 +62,7 @@ class BasisRotation(torch.optim.Optimizer):
     ) -> None:
         base = "spec.target.optimizer"
         _check(f"{base}.lr", lr > 0, f"must be > 0, got {lr}")
-        _check(f"{base}.basisRotation.refreshEvery", int(refresh_every) == refresh_every and refresh_every >= 1,
-               f"must be an integer >= 1, got {refresh_every!r}")
+        _check(f"{base}.basisRotation.refreshEvery", refresh_every >= 1, f"must be >= 1, got {refresh_every!r}")
         _check(f"{base}.basisRotation.geometry", geometry in GEOMETRIES,
                f"{geometry!r} is not one of {list(GEOMETRIES)}")
         _check(f"{base}.basisRotation.source", source in SOURCES, f"{source!r} is not one of {list(SOURCES)}")
@@ -66,7 +72,7 @@ class BasisRotation(torch.optim.Optimizer):
         _check("weight_decay", weight_decay >= 0, f"must be >= 0, got {weight_decay}")
         _check("warmup_steps", warmup_steps >= 0, f"must be >= 0, got {warmup_steps}")
         _check("max_dim", max_dim >= 1, f"must be >= 1, got {max_dim}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, refresh_every=int(refresh_every),
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, refresh_every=refresh_every,
                         warmup_steps=warmup_steps, geometry=geometry, source=source, basis_beta=basis_beta,
                         max_dim=max_dim, rotate=rotate, reproject=reproject)
         super().__init__(params, defaults)
@@ -175,7 +181,7 @@ class BasisRotation(torch.optim.Optimizer):
                     if "stat_right" in st:
                         st["stat_right"].lerp_(x.T @ x, 1 - group["basis_beta"])  # R [n, n]
                     since = t - 1 - group["warmup_steps"]
-                    if since >= 0 and since % group["refresh_every"] == 0:
+                    if since >= 0 and _refresh_due(since, group["refresh_every"]):
                         for side in ("left", "right"):
                             if f"basis_{side}" in st:
                                 self._refresh_side(st, side, group.get("reproject", True))
