@@ -68,7 +68,8 @@ class Env:
         peerings = [d for d in self.docs if d["kind"] == "ClusterKopfPeering"]
         self.peering = peerings[0]["metadata"]["name"] if peerings else None
         self.dep = one(self.docs, "Deployment")
-        self.role = one(self.docs, "ClusterRole")
+        roles = [d for d in self.docs if d["kind"] == "ClusterRole"]
+        self.role = roles[0] if roles else {}
         sa = one(self.docs, "ServiceAccount")["metadata"]["name"]
         self.user = f"system:serviceaccount:{OP_NS}:{sa}"
         self.core = client.CoreV1Api(kube.api_client())
@@ -78,9 +79,12 @@ class Env:
             if kube.get(crd["apiVersion"], crd["kind"], crd["metadata"]["name"]) is None:
                 kube.apply(crd)
         kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OP_NS}})
+        for ns in sorted({d["metadata"]["namespace"] for d in self.docs if d["kind"] in ("Role", "RoleBinding")}):
+            kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
         # Everything the chart renders that the 1.20 apiserver knows (not the Deployment: no kubelet).
         for d in self.docs:
-            if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"):
+            if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering",
+                             "Role", "RoleBinding"):
                 kube.apply(d)
         self.kubeconfig = kube.kubeconfig_for_service_account(OP_NS, sa)
         self._n = itertools.count()
@@ -282,19 +286,23 @@ def scenario_delete(r: Run) -> None:
     r.expect(lambda: r.job(name) is None, "the deleted job to disappear")
 
 
+def startup(r: Run) -> None:
+    r.expect(r.op.healthy, "the operator's /healthz", timeout=30)
+
+
 SCENARIOS = [scenario_lifecycle, scenario_suspend, scenario_missing_claim, scenario_delete]
 
 
-def run_scenarios(env: Env, label: str) -> tuple[str | None, float]:
-    """Run every scenario under one fresh operator; return (first failure or None, seconds)."""
-    ns = env.namespace(f"rbac-{label}"[:50])
+def run_scenarios(env: Env, label: str, ns: str | None = None) -> tuple[str | None, float]:
+    """Run every scenario under one fresh operator (in a fresh namespace unless `ns` is given);
+    return (first failure or None, seconds)."""
+    ns = ns or env.namespace(f"rbac-{label}"[:50])
     env.reset_peering()
     op = env.operator().start()
     t0 = time.monotonic()
     run = Run(env, op, ns)
     try:
-        run.expect(op.healthy, "the operator's /healthz", timeout=30)
-        for scenario in SCENARIOS:
+        for scenario in [startup, *SCENARIOS]:
             try:
                 scenario(run)
             except (ScenarioFailed, AssertionError) as exc:
@@ -348,6 +356,19 @@ def test_operator_does_its_job_under_the_rendered_role(envs: dict[str, Env], ins
     failure, seconds = run_scenarios(env, f"full-{install}")
     assert failure is None, failure
     print(f"{install}: all scenarios passed under the rendered ClusterRole in {seconds:.1f}s")
+
+
+def test_watch_selected_namespaces_install(kube: KubeAPI, tmp_path: Path) -> None:
+    """watchNamespaces: only a Role + RoleBinding in the watched namespace, nothing cluster-wide,
+    and the operator (started with the rendered --namespace args) does its job there."""
+    watched = f"team-{uuid.uuid4().hex[:6]}"
+    env = Env(kube, tmp_path, {"watchNamespaces": [watched]}, release="spectrain-ns")
+    assert env.role == {} and not [d for d in env.docs if d["kind"] == "ClusterRoleBinding"]
+    assert f"--namespace={watched}" in env.dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not env.allowed("list", GROUP, PLURAL, namespace="default")
+    failure, seconds = run_scenarios(env, "ns", ns=watched)
+    assert failure is None, failure
+    print(f"namespaced install: all scenarios passed in {seconds:.1f}s")
 
 
 def test_every_rule_is_needed(envs: dict[str, Env]) -> None:
@@ -406,7 +427,10 @@ def test_failover(envs: dict[str, Env]) -> None:
         r = Run(ha, active, ns)
         r.create_job("before")
         r.expect(lambda: r.pods("before"), "the active replica to reconcile a job")
-        r.expect(lambda: "Pausing operations in favour of" in standby.log(), "the standby to pause", timeout=15)
+        r.expect(lambda: "Handler 'created' succeeded" in active.log(), "the active replica's create handler")
+        # kopf starts every replica paused; the highest-priority one resumes, the standby stays
+        # paused (silently) and so has seen the same job event without handling it.
+        assert "Resuming operations" not in standby.log(), standby.log_tail()
         assert '"name": "before"' not in standby.log(), "the standby handled a job while paused"
 
         active.kill()
@@ -415,6 +439,7 @@ def test_failover(envs: dict[str, Env]) -> None:
         r2.create_job("after")
         r2.expect(lambda: r2.pods("after") and r2.phase("after"), "the standby to take over", timeout=30)
         took = time.monotonic() - killed_at
+        assert "Resuming operations" in standby.log()
         print(f"failover: standby reconciled {took:.1f}s after SIGKILL of the active replica")
         assert took <= 30
     finally:

@@ -4,6 +4,7 @@ bitwise resume, stage-aware budget, clear errors."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -105,13 +106,70 @@ def test_state_dict_round_trip_resumes_bitwise(geometry: str, source: str) -> No
         assert torch.equal(pa, pb)
 
 
-def test_stage_aware_budget_is_fixed_and_favours_stale_stages() -> None:
-    P, every = 8, 10
+@pytest.mark.parametrize("every", [2, 3, 10])
+def test_stage_aware_budget_is_fixed_and_favours_stale_stages(every: int) -> None:
+    P = 8
     intervals = [stage_refresh_every(every, k, P) for k in range(P)]
     assert intervals == sorted(intervals) and intervals[0] < every < intervals[-1]
-    rate = sum(1 / i for i in intervals)
-    assert rate == pytest.approx(P / every, rel=0.1)       # same total refreshes per step as uniform
+    assert all(i >= 1 for i in intervals)
+    assert sum(1 / i for i in intervals) == pytest.approx(P / every, rel=1e-9)   # same total refreshes per step
+    assert intervals[0] / intervals[-1] == pytest.approx(1 / P) or intervals[0] == 1.0  # share ~ staleness + 1
     assert stage_refresh_every(every, 0, 1) == every
+
+
+def test_stage_aware_caps_at_one_refresh_per_step_and_redistributes() -> None:
+    assert [stage_refresh_every(1, k, 4) for k in range(4)] == [1.0] * 4
+    intervals = [stage_refresh_every(1.5, k, 8) for k in range(8)]        # stages 0, 1 would want > 1 per step
+    assert intervals[:2] == [1.0, 1.0] and intervals[2] > 1
+    assert sum(1 / i for i in intervals) == pytest.approx(8 / 1.5)
+
+
+@pytest.mark.parametrize("every", [1, 3, 2.25, 45.0])
+def test_fractional_refresh_interval_keeps_its_average_rate(every: float) -> None:
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    opt = BasisRotation([p], refresh_every=every)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(90):
+        p.grad = torch.randn(6, 4, generator=gen)
+        opt.step()
+    assert opt.state[p]["refreshes"] == math.floor(89 / every) + 1        # at 0, every, 2 every, ...
+
+
+def _refresh(st: dict, side: str, reproject: bool) -> None:
+    BasisRotation._refresh_side(st, side, reproject)
+
+
+def test_second_moment_follows_a_reordered_basis() -> None:
+    """When a refresh only reorders the basis, re-projection is exactly SOAP's permutation of V~."""
+    lam = torch.tensor([1.0, 5.0, 3.0, 2.0])
+    perm = torch.eye(4)[:, [2, 0, 3, 1]]                                  # current basis: permuted axes
+    v = torch.rand(4, 3, generator=torch.Generator().manual_seed(0))     # V~ [4, 3], rows = columns of perm
+    out = {}
+    for reproject in (True, False):
+        st = {"refreshes": 1, "stat_left": torch.diag(lam), "basis_left": perm.clone(), "exp_avg_sq": v.clone()}
+        _refresh(st, "left", reproject)
+        q = st["basis_left"]
+        torch.testing.assert_close(q.abs().argmax(0), torch.tensor([1, 2, 3, 0]))   # sorted by eigenvalue
+        out[reproject] = st["exp_avg_sq"]
+    torch.testing.assert_close(out[True], out[False], rtol=0, atol=1e-6)
+    assert not torch.equal(out[True], v)
+
+
+def test_second_moment_is_carried_into_a_rotated_basis() -> None:
+    """The first refresh after an identity warm-up rotates the whole basis: V~ keeps its mass and is
+    re-estimated, not left in the old coordinates (that was the pre-fix behaviour)."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(5, 5, generator=gen)
+    stat = a @ a.T                                                        # L [5, 5], generic eigenbasis
+    v = torch.rand(5, 2, generator=gen)
+    st = {"refreshes": 0, "stat_left": stat, "basis_left": torch.eye(5), "exp_avg_sq": v.clone()}
+    _refresh(st, "left", True)
+    q = st["basis_left"]
+    torch.testing.assert_close(st["exp_avg_sq"], q.square().T @ v)        # variance along each new direction
+    torch.testing.assert_close(st["exp_avg_sq"].sum(0), v.sum(0))          # mass per column preserved
+    st = {"refreshes": 0, "stat_left": stat, "basis_left": torch.eye(5), "exp_avg_sq": v.clone()}
+    _refresh(st, "left", False)
+    assert torch.equal(st["exp_avg_sq"], v)                               # the old rule: untouched
 
 
 def test_build_optimizer_picks_the_named_optimizer_and_groups() -> None:

@@ -55,7 +55,7 @@ def param_groups(params_or_model: Any, *, weight_decay: float = WEIGHT_DECAY) ->
     return [g for g in groups if g["params"]]
 
 
-def stage_refresh_every(refresh_every: int, stage: int, n_stages: int) -> float:
+def stage_refresh_every(refresh_every: float, stage: int, n_stages: int) -> float:
     """Refresh interval (steps, possibly fractional) of `stage` under stageAware.
 
     The total budget is that of the uniform schedule, n_stages / refresh_every refreshes per step,

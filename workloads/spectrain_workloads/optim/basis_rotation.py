@@ -8,10 +8,13 @@ For a rotated 2-D weight W [m, n] with gradient G [m, n] the optimizer keeps
 and steps
     G~ = Q_L^T G Q_R,  M~ = Q_L^T M Q_R,  V~ = b2 V~ + (1 - b2) G~^2
     W  = W (1 - lr wd) - lr Q_L ( (M~ / bc1) / (sqrt(V~ / bc2) + eps) ) Q_R^T      (bc: bias corrections)
-Every `refresh_every` steps the bases are refreshed: a full `eigh` the first time, afterwards one
+Every `refresh_every` steps (>= 1, may be fractional: stage-aware shares; on average one refresh
+per `refresh_every` steps) the bases are refreshed: a full `eigh` the first time, afterwards one
 warm-started power-iteration step (Q <- QR(L Q)) with the columns ordered by their eigenvalue
-estimate; V~ is permuted with them. Momentum stays in the ordinary basis, so a basis change never
-invalidates it. `geometry` Unilateral rotates only the smaller side; a side larger than `max_dim`
+estimate. V~ is then re-estimated in the new basis (`reproject`, see `_refresh_side`; it reduces to
+SOAP's permutation of V~ when the refresh only reorders the basis, and keeps V~ meaningful when the
+basis moves a lot: early in training, or the first eigh after `warmup_steps` of identity bases).
+Momentum stays in the ordinary basis, so a basis change never invalidates it. `geometry` Unilateral rotates only the smaller side; a side larger than `max_dim`
 is never rotated. Parameters in a group with `rotate=False` (and every non-2-D tensor) follow AdamW.
 With identity bases the arithmetic is exactly torch.optim.AdamW's (same operations, same order).
 """
