@@ -241,7 +241,10 @@ def main() -> None:
             k for k in iters if k[2] != s.refresh_every]:
         n, ok = med[key]
         ge = "" if ok else ">="
-        seeds = iters.get(key, iters[ref_key] if key[0] == "pipedream_lr" else iters[("basis_rotation", 1, key[2])])
+        if key in iters:
+            seeds = iters[key]
+        else:                     # the P=1 rows that are other runs (see `runs`)
+            seeds = iters[ref_key] if key[0] == "pipedream_lr" else iters[("basis_rotation", 1, s.refresh_every)]
         spread = f"{min(v for v, _ in seeds):.0f}-{max(v for v, _ in seeds):.0f}"
         own = med[(key[0], 1, s.refresh_every)][0]
         rows.append((label(*key, s), f"{ge}{n:.0f} it ({spread})   slowdown {ge}{n / sync:.2f}x   "

@@ -156,7 +156,8 @@ def test_config_map_is_the_defaulted_manifest_the_workloads_read() -> None:
     cfg = config.from_manifest(data)
     assert cfg.name == "demo" and cfg.namespace == "ns1"
     assert cfg.target.parallelism.pipeline == 2 and cfg.target.parallelism.microbatches == 4
-    assert cfg.target.steps == 500 and cfg.target.checkpoint.every_steps == 100
+    assert cfg.target.steps == j["spec"]["target"]["steps"]
+    assert cfg.target.checkpoint.every_steps == j["spec"]["target"]["checkpoint"]["everySteps"]
 
 
 def test_render_is_deterministic_and_pure() -> None:
