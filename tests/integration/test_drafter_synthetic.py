@@ -79,7 +79,10 @@ def test_drafter_works_only_inside_usable_windows_and_flushes_on_sigterm(tmp_pat
     assert 0 < summary["harvestEfficiency"] <= 1 and summary["harvestedSecondsByKind"].get("RolloutTail", 0) == 0
     assert summary["acceptanceLength"] >= 1.0 and summary["optimizerSteps"] >= 1
     last_ckpt = pod.of("checkpoint")[-1]
-    assert last_ckpt["why"] == "shutdown" and summary["version"] == last_ckpt["version"]
+    # SIGTERM flushed everything learnt: the last checkpoint holds every optimizer step (it is the
+    # shutdown one, unless a periodic checkpoint had just covered the last step).
+    assert summary["version"] == last_ckpt["version"]
+    assert last_ckpt["optimizer_steps"] == summary["optimizerSteps"]
 
     # The export is loadable and the drafter learnt: clearly above an untrained one on fresh text.
     drafter, meta = load_drafter(pod.run_dir / "drafter")
