@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from spectrain_operator import gpu_sharing
 
+from spectrain_operator import gpu_sharing
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.gpu

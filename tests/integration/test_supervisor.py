@@ -12,8 +12,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from spectrain_operator import faults
 
+from spectrain_operator import faults
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration

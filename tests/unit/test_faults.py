@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from spectrain_operator import faults
 from spectrain_operator.faults import PodFault, action_for, classify_pod
 from spectrain_workloads import exitcodes, supervisor

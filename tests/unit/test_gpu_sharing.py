@@ -9,6 +9,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+
 from spectrain_operator import builders, gpu_sharing
 from spectrain_operator import spec as specmod
 from spectrain_workloads import supervisor

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from spectrain_workloads import exitcodes, nvml
 from spectrain_workloads.errors import ConfigError
 

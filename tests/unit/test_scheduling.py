@@ -7,6 +7,7 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
+
 from spectrain_operator import builders, scheduling
 from spectrain_operator import spec as specmod
 
