@@ -16,14 +16,16 @@ import json
 from typing import Any
 
 from spectrain_operator import spec as specmod
+from spectrain_operator.objects import (
+    LABEL_JOB,
+    Obj,
+    job_labels,
+    owner_reference,
+)
+from spectrain_operator.objects import child_metadata as _meta
 
-Obj = dict[str, Any]
-
-LABEL_JOB = "spectrain.io/job-name"
 LABEL_NODE = "spectrain.io/node-index"
 LABEL_GENERATION = "spectrain.io/restart-generation"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-MANAGER = "spectrain-operator"
 ANNOTATION_PROGRESS = "spectrain.io/progress"
 ANNOTATION_DRAFTER = "spectrain.io/drafter"
 
@@ -62,26 +64,9 @@ def pod_names(job: Obj) -> list[str]:
     return [pod_name(job, n) for n in range(int(job["spec"]["target"]["nodes"]))]
 
 
-def job_labels(job: Obj) -> dict[str, str]:
-    return {LABEL_JOB: str(job["metadata"]["name"]), LABEL_MANAGED_BY: MANAGER}
-
-
 def selector(job: Obj) -> str:
     """Label selector of every child of the job."""
     return f"{LABEL_JOB}={job['metadata']['name']}"
-
-
-def owner_reference(job: Obj) -> Obj:
-    return {"apiVersion": specmod.API_VERSION, "kind": specmod.KIND, "name": job["metadata"]["name"],
-            "uid": job["metadata"]["uid"], "controller": True}
-
-
-def _meta(job: Obj, name: str, labels: dict[str, str] | None = None) -> Obj:
-    meta: Obj = {"name": name, "namespace": job["metadata"].get("namespace", "default"),
-                 "labels": {**job_labels(job), **(labels or {})}}
-    if job["metadata"].get("uid"):
-        meta["ownerReferences"] = [owner_reference(job)]
-    return meta
 
 
 # ---------------------------------------------------------------- non-pod children

@@ -41,6 +41,9 @@ import re
 from fractions import Fraction
 from typing import Any
 
+from spectrain_operator.objects import LABEL_JOB, child_metadata
+from spectrain_operator.objects import get as _get
+
 MODES = ("DRA", "PodLocalMPS", "SingleContainer", "None")
 
 TARGET = "target"
@@ -65,7 +68,6 @@ MPS_CONTROL_COMMAND = ["nvidia-cuda-mps-control", "-f"]
 MPS_READY_COMMAND = ["sh", "-c", "echo get_server_list | nvidia-cuda-mps-control"]
 
 SUPERVISOR_COMMAND = "spectrain-supervisor"
-LABEL_JOB = "spectrain.io/job-name"
 
 
 class GpuSharingError(ValueError):
@@ -74,14 +76,6 @@ class GpuSharingError(ValueError):
 
 # ---------------------------------------------------------------------------------------------
 # small pure helpers
-
-
-def _get(obj: Any, *path: str, default: Any = None) -> Any:
-    for key in path:
-        if not isinstance(obj, dict) or obj.get(key) is None:
-            return default
-        obj = obj[key]
-    return obj
 
 
 def _find(containers: list[dict], name: str) -> dict | None:
@@ -159,32 +153,6 @@ def pinned_mem_limit_env(pinned_memory_limit: Any, gpus: int) -> str:
     if mib < 1:
         raise GpuSharingError(f"{field}: {pinned_memory_limit!r} is below 1Mi; set at least 1Mi (e.g. 8Gi)")
     return ",".join(f"{i}={mib}M" for i in range(max(gpus, 1)))
-
-
-def _owner_refs(job: dict) -> list[dict]:
-    meta = job.get("metadata", {})
-    if not meta.get("uid"):
-        return []
-    return [{
-        "apiVersion": job.get("apiVersion", "spectrain.io/v1alpha1"),
-        "kind": job.get("kind", "SpecTrainJob"),
-        "name": meta["name"],
-        "uid": meta["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }]
-
-
-def child_metadata(job: dict, name: str) -> dict:
-    """Metadata for a child object: name, namespace, the job label, ownerReference (when uid known)."""
-    meta = job.get("metadata", {})
-    out: dict[str, Any] = {"name": name, "labels": {LABEL_JOB: meta["name"]}}
-    if meta.get("namespace"):
-        out["namespace"] = meta["namespace"]
-    refs = _owner_refs(job)
-    if refs:
-        out["ownerReferences"] = refs
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

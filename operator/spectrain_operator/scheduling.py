@@ -26,9 +26,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from spectrain_operator.objects import child_metadata as _child_metadata
+from spectrain_operator.objects import get as _get
+
 GANG_PROVIDERS = ("None", "SchedulerPlugins", "Volcano")
 
-LABEL_JOB = "spectrain.io/job-name"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
 KUEUE_GROUP_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
@@ -46,39 +48,6 @@ _DEFAULT_TOLERATION_KEYS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/
 
 class SchedulingError(ValueError):
     """spec.scheduling cannot be honoured; the message names the field and the fix."""
-
-
-def _get(obj: Any, *path: str, default: Any = None) -> Any:
-    for key in path:
-        if not isinstance(obj, dict) or obj.get(key) is None:
-            return default
-        obj = obj[key]
-    return obj
-
-
-def _owner_refs(job: dict) -> list[dict]:
-    meta = job.get("metadata", {})
-    if not meta.get("uid"):
-        return []
-    return [{
-        "apiVersion": job.get("apiVersion", "spectrain.io/v1alpha1"),
-        "kind": job.get("kind", "SpecTrainJob"),
-        "name": meta["name"],
-        "uid": meta["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }]
-
-
-def _child_metadata(job: dict, name: str) -> dict:
-    meta = job.get("metadata", {})
-    out: dict[str, Any] = {"name": name, "labels": {LABEL_JOB: meta["name"]}}
-    if meta.get("namespace"):
-        out["namespace"] = meta["namespace"]
-    refs = _owner_refs(job)
-    if refs:
-        out["ownerReferences"] = refs
-    return out
 
 
 def _nodes(job: dict) -> int:
