@@ -54,7 +54,7 @@ class InstrumentOptions:
     imbalance_min_ns: int = 5_000_000      # slack past the expected end of comm before "waiting"
     default_bytes_per_ns: float = 1.0      # 1 GB/s until a channel has been measured
     default_latency_ns: int = 50_000       # per-message latency until a channel has been measured
-    history: int = 8                       # recent samples per bubble slot / transfer key (medians)
+    history: int = 4                       # recent samples per bubble slot / transfer key (medians)
 
 
 @dataclass
@@ -72,6 +72,7 @@ class Window:
     base_ns: float = 0.0    # Bubble: the simulated length before the per-slot correction
     learn: bool = True      # Bubble: feed the per-slot correction on close
     pos: int = -1           # Communication: position (pipeline microbatch), part of the EMA key
+    anchor_ns: int = 0      # Communication: the anchor of its group in this step (0: none)
 
 
 class Instrument:
@@ -92,6 +93,8 @@ class Instrument:
         self._tb: float | None = None    # EMA backward ns per microbatch
         self._dur: dict[tuple[str, int, int], deque[float]] = {}   # (channel, bytes, pos) -> recent ns
         self._fit: dict[str, _LinearFit] = {}                # channel -> latency + bytes / bandwidth
+        self._anchor: dict[str, tuple[int, int]] = {}        # anchor group -> (step, first launch ns)
+        self._rel_end: dict[tuple[str, int], deque[float]] = {}   # (channel, bytes) -> recent end - anchor
         self._slot_ratio: dict[int, deque[float]] = {}      # bubble slot -> recent actual / simulated
         self._slot_actual: dict[int, deque[float]] = {}     # bubble slot -> recent actual (no simulation yet)
         self._outstanding: dict[int, Window] = {}     # open comm windows by local id
@@ -190,11 +193,32 @@ class Instrument:
                 return max(1, int(fit.predict(nbytes)))
         return max(1, int(self.opts.default_latency_ns + nbytes / self.opts.default_bytes_per_ns))
 
-    def comm_open(self, channel: str, nbytes: int, pos: int = -1) -> Window | None:
+    def _predict_anchored_ns(self, channel: str, nbytes: int, group: str, now: int) -> tuple[int, int]:
+        """(anchor ns, prediction or 0) of a transfer whose end is tied to its group's anchor."""
+        with self._lock:
+            a = self._anchor.get(group)
+            if a is None or a[0] != self.step:
+                a = self._anchor[group] = (self.step, now)
+            rel = self._rel_end.get((channel, nbytes))
+            if not rel:
+                return a[1], 0
+            d = self._dur.get((channel, nbytes, -1))
+            floor = min(d) if d else 1.0
+            return a[1], max(1, int(max(a[1] + statistics.median(rel) - now, floor)))
+
+    def comm_open(self, channel: str, nbytes: int, pos: int = -1, *, anchor: str = "") -> Window | None:
+        """Open a Communication window. `anchor`: a group of transfers (the DDP buckets of a step)
+        that all wait for the same peer event; the group's first launch in a step is its anchor, and
+        each transfer is predicted to end at anchor + the median of its recent end - anchor."""
         if not self.enabled:
             return None
-        w = self._open(COMMUNICATION, self.predict_comm_ns(channel, nbytes, pos), channel=channel, nbytes=nbytes)
-        w.pos = pos
+        pred, anchor_ns = 0, 0
+        if anchor:
+            anchor_ns, pred = self._predict_anchored_ns(channel, nbytes, anchor, time.monotonic_ns())
+        if pred <= 0:
+            pred = self.predict_comm_ns(channel, nbytes, pos)
+        w = self._open(COMMUNICATION, pred, channel=channel, nbytes=nbytes)
+        w.pos, w.anchor_ns = pos, anchor_ns
         with self._lock:
             self._outstanding[w.local_id] = w
         return w
@@ -207,6 +231,12 @@ class Instrument:
             contaminated = w.imb_epoch != self._imb_epoch or self._imbalance is not None
         rec = self._close(w, end_ns)
         actual = rec["actual_ns"]
+        if w.anchor_ns and actual > 0:
+            # The end relative to the anchor models the peer (when it launched the same bucket), so it
+            # is learned whether or not the wait was long enough to count as imbalance.
+            with self._lock:
+                self._rel_end.setdefault((w.channel, w.nbytes), deque(maxlen=self.opts.history)).append(
+                    float(w.start_ns + actual - w.anchor_ns))
         if contaminated or actual <= 0:
             return
         key = (w.channel, w.nbytes, w.pos)

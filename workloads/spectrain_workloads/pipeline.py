@@ -49,7 +49,9 @@ def make_comm_hook(instrument: Instrument) -> Callable[[Any, dist.GradBucket], t
         buf = bucket.buffer()                       # flat [n] view of this bucket's gradients
         world = dist.get_world_size(group)
         buf.div_(world)                             # same maths as torch's allreduce_hook
-        w = instrument.comm_open(f"dp-bucket-{bucket.index()}", buf.numel() * buf.element_size())
+        # anchor "dp": a bucket's all-reduce ends when the slowest replica launches it, so its end is
+        # predicted relative to this step's first bucket launch (instrument.py), not from bandwidth
+        w = instrument.comm_open(f"dp-bucket-{bucket.index()}", buf.numel() * buf.element_size(), anchor="dp")
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
 
         def done(f: torch.futures.Future) -> torch.Tensor:
@@ -80,7 +82,7 @@ class SendTracker:
         if self._q is None:
             self._pending.append((dist.isend(tensor, dst, group=group, tag=tag), tensor))
             return
-        w = self.instrument.comm_open(channel, tensor.numel() * tensor.element_size(), pos=tag)
+        w = self.instrument.comm_open(channel, tensor.numel() * tensor.element_size())
         work = dist.isend(tensor, dst, group=group, tag=tag)
         with self._cv:
             self._inflight += 1
@@ -153,7 +155,7 @@ class StageExecutor:
             return [0.0] * n                  # unknown until this stage has measured F and B
         return self.schedule.bubble_predictions(self.stage, ema[0], ema[1], first_step=self._steps_run == 0)
 
-    def _wait_recv(self, work: Any, nbytes: int, channel: str, bubble: Any, mb: int) -> None:
+    def _wait_recv(self, work: Any, nbytes: int, channel: str, bubble: Any) -> None:
         instr = self.instrument
         if bubble is not None:
             work.wait()
@@ -162,7 +164,7 @@ class StageExecutor:
         if not instr.enabled:
             work.wait()
             return
-        w = instr.comm_open(channel, nbytes, pos=mb)
+        w = instr.comm_open(channel, nbytes)
         instr.sync_begin()
         work.wait()
         instr.sync_end()
@@ -208,7 +210,7 @@ class StageExecutor:
                     x = inputs[i * b:(i + 1) * b]
                 else:
                     x, work = recv_act[i]
-                    self._wait_recv(work, act_bytes, "pp-recv-act", bubble, i)
+                    self._wait_recv(work, act_bytes, "pp-recv-act", bubble)
                     x.requires_grad_(True)
                 bubble = None
                 t0 = time.monotonic_ns()
@@ -232,7 +234,7 @@ class StageExecutor:
                 grad = None
                 if not self.last:
                     grad, work = recv_grad[i]
-                    self._wait_recv(work, act_bytes, "pp-recv-grad", bubble, i)
+                    self._wait_recv(work, act_bytes, "pp-recv-grad", bubble)
                 bubble = None
                 sync = self.ddp is not None and i == last_b
                 if sync:

@@ -213,8 +213,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     losses = [rd.steps[-1]["loss"] for rd in ranks.values() if rd.steps and "loss" in rd.steps[-1]]
     return {
         "ranks": len(ranks),
-        # step indices start at 0: the number of steps done is the last index + 1
-        "steps": max((rd.steps[-1].get("step", -1) + 1 for rd in ranks.values() if rd.steps), default=0),
+        # distinct step records (Pretrain counts from 0, RL from 1; a resume may repeat a step)
+        "steps": max((len({s.get("step") for s in rd.steps}) for rd in ranks.values()), default=0),
         "final_loss": min(losses) if losses else None,
         "step_time_s_with_drafter": with_d,
         "step_time_s_without_drafter": without,

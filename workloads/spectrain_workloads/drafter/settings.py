@@ -51,7 +51,8 @@ class DrafterSettings:
     samples_per_step: int = 8           # sequences per optimizer step (accumulated across windows)
     max_micro_batch: int = 8
     buffer_mb: float = 64               # bound on buffered training samples (CPU memory cap)
-    max_reuse: int = 4                  # a buffered sample trains at most this many times
+    max_reuse: int = 32                 # a buffered sample trains at most this many times (replay fills
+                                        # windows when the target publishes less than the drafter can use)
     seq_cap: int = 32                   # sequences are cut into chunks of this many positions: one
                                         # chunk is the unit of work, so short chunks use short windows
     eval_every: int = 8                 # every n-th received sequence is held out for verification

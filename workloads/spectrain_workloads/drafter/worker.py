@@ -96,10 +96,12 @@ class Worker:
                     self._calibrate(self.trainer, self.buffer.train[-1].length)
                 did = self._work() if self.calibrated else False
                 if not did:
-                    events = self.consumer.wait_windows(timeout_s=WAIT_S)
-                    self._on_events(events)
-                    if any(not e.is_end for e in events) and self.trainer is not None:
-                        continue   # a window just opened: straight to work, housekeeping later
+                    # Sleep until a window event or data arrives (either can unblock work: a window
+                    # opened with an empty buffer waits for the step's data, not for the next event).
+                    events, data = self._wait_input(WAIT_S)
+                    if self.trainer is not None and (any(not e.is_end for e in events) or
+                                                     (data and self.tracker.open)):
+                        continue   # work may start now: straight to it, housekeeping later
                 self._drain_data()
                 self._housekeeping()
             return 0
@@ -214,11 +216,29 @@ class Worker:
             if cw.start_ns >= self.ready_ns or cw.window_id in self.metrics.pending:
                 self.metrics.window_closed(cw, threshold)
 
-    def _drain_data(self, limit: int = 64) -> None:
+    def _wait_input(self, timeout_s: float) -> tuple[list[Any], int]:
+        """Block up to timeout_s for window events or data; apply both; -> (events, sequences added)."""
+        events: list[Any] = []
+        added = 0
+
+        def read() -> bool:
+            nonlocal added
+            got = self.consumer.poll_windows()
+            self._on_events(got)
+            events.extend(got)
+            added += self._drain_data()
+            return bool(got) or added > 0
+
+        self.consumer.wait_until(read, timeout_s)
+        return events, added
+
+    def _drain_data(self, limit: int = 64) -> int:
+        """Copy up to `limit` published sequences out of the ring; -> how many joined the buffer."""
+        added = 0
         for _ in range(limit):
             rec = self.consumer.next_data()
             if rec is None:
-                return
+                return added
             arrays, meta = rec.arrays, rec.meta
             if "tokens" not in arrays:
                 continue
@@ -232,6 +252,8 @@ class Worker:
             if chunks:
                 self.data_seen += 1
                 self.buffer.add_sequence(chunks)
+                added += 1
+        return added
 
     def _chunks(self, tokens: torch.Tensor, hidden: torch.Tensor | None, step: int) -> list[Sample]:
         """A published sequence cut into chunks of seq_cap positions (the unit of work is one chunk:
@@ -281,6 +303,8 @@ class Worker:
             budget = self.gate.budget(now)
             wid = budget.window.window_id if budget.window else NO_WINDOW
             task = self._next_task(budget, starting=wid not in started)
+            if task is None and self._drain_data():
+                continue   # the buffer ran dry but fresh data had arrived: plan again with it
             if task is None:
                 if not self.buffer.trainable() and self.state != "Waiting":
                     self._set_state("Waiting", "NoData")

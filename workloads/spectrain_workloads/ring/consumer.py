@@ -156,6 +156,11 @@ class RingConsumer:
         ProducerDead instead of waiting on."""
         return self._wait(self.poll_windows, timeout_s, spin, raise_if_dead, max_age_s)  # type: ignore[no-any-return]
 
+    def wait_until(self, read: Any, timeout_s: float = 0.5, *, spin: bool | None = None) -> Any:
+        """Call `read()` until it returns something truthy or `timeout_s` passes, sleeping on the
+        ring's notify word in between (woken by any publish: window or data)."""
+        return self._wait(read, timeout_s, spin, False, 1.0)
+
     # -- data ---------------------------------------------------------------------------------
     def next_data(self) -> DataRecord | None:
         """The oldest unread data record (views into the slot), or None; never blocks."""
