@@ -17,7 +17,7 @@ KUBE_CACHE ?= $(HOME)/.cache/spectrain/kube
         bench-basis_rotation bench-operator
 
 help: ## list the targets
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 22
+	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 22
 
 $(STAMP): pyproject.toml
 	$(PY_BOOT) -m venv $(VENV)
@@ -53,13 +53,15 @@ verify: $(STAMP) ## regenerate derived files (helm CRD copy, docs) and fail on a
 	@git diff --exit-code -- helm docs crds || (echo "derived files are stale: run 'python scripts/gen.py' and commit" && exit 1)
 	@test -z "$$(git status --porcelain -- helm docs crds)" || (git status --porcelain -- helm docs crds; echo "untracked derived files: commit them" && exit 1)
 
-demo: $(STAMP) ## run examples/demo.yaml locally (CPU, minutes) and print the headline figures
+demo: $(STAMP) ## run examples/demo.yaml locally (CPU, ~3 min) and print the headline figures
+	rm -rf runs/demo
 	$(VENV)/bin/spectrain run examples/demo.yaml --run-dir runs/demo --report
 
-demo-rl: $(STAMP) ## run examples/demo-rl.yaml locally (mode RL)
+demo-rl: $(STAMP) ## run examples/demo-rl.yaml locally (mode RL, ~70 s)
+	rm -rf runs/demo-rl
 	$(VENV)/bin/spectrain run examples/demo-rl.yaml --run-dir runs/demo-rl --report
 
-bench-%: $(STAMP) ## run bench/<name>.py (QUICK=1 for the <60 s version); writes bench/results/<name>.json
+bench-%: $(STAMP) ## bench-<name>: run bench/<name>.py (QUICK=1 for the <60 s version); writes bench/results/<name>.json
 	$(PY) -m bench.$* $(if $(QUICK),--quick,)
 
 clean: ## remove the venv, runs and caches (not the kube binaries in ~/.cache)
