@@ -4,7 +4,10 @@ A synthetic target (spectrain_workloads.drafter.synthetic: real ring, real debug
 states of real text) runs steps of fixed CPU work followed by predicted Bubble windows and
 open-ended Imbalance windows; the drafter sidecar runs as its own process (IdleOnly).
 
-harvest_efficiency     drafter busy time inside usable windows / usable window time (its summary)
+harvest_efficiency     drafter busy time inside usable windows / usable window time (its summary),
+                       over the training phase: the summary as it stood before the slowdown
+                       phase, whose "off" blocks SIGSTOP the drafter (windows it is forbidden to use)
+harvest_efficiency_incl_stopped   the same over the whole run, SIGSTOPped blocks included
 overrun_p99_ms         p99 of (last task end - window end) over windows worked in
 drafter_microstep_ms   the largest training micro-step the drafter ran (its measured cost, p75):
                        the bound the overrun must stay under
@@ -78,6 +81,13 @@ def _events(root: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _summary(root: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((root / "run" / "drafter-summary-rank-0.json").read_text())  # type: ignore[no-any-return]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 def _offline_acceptance(target: SyntheticTarget, steps: int, samples: int, eval_data: list) -> float:
     """The same drafter, trained back to back on the same stream, for the same number of samples."""
     s = DrafterSettings(**SETTINGS)
@@ -126,6 +136,12 @@ def main() -> None:
         t_end = time.monotonic() + train_s
         while time.monotonic() < t_end:
             target.run_step()
+        # the drafter's summary as of the end of the training phase (it rewrites it every second)
+        wall_end = time.time()
+        while (trained_summary := _summary(root)) is None or trained_summary["updatedAt"] <= wall_end:
+            if proc.poll() is not None:
+                raise RuntimeError(f"drafter exited: {(root / 'drafter.log').read_text()[-2000:]}")
+            target.run_step()
         # slowdown: fixed work per step, drafter running vs stopped, interleaved blocks
         iters = 40
         on, off = [], []
@@ -151,7 +167,8 @@ def main() -> None:
     online = measure(online_model, eval_data, None, k=4).acceptance_length
     offline = _offline_acceptance(target, steps, int(summary["samplesTrained"]), eval_data)
     results = {
-        "harvest_efficiency": summary["harvestEfficiency"],
+        "harvest_efficiency": trained_summary["harvestEfficiency"],
+        "harvest_efficiency_incl_stopped": summary["harvestEfficiency"],
         "overrun_p99_ms": summary["overrunMsP99"],
         "drafter_microstep_ms": max(trained),
         "target_slowdown_ratio": median(on) / median(off),

@@ -338,3 +338,22 @@ def test_valid_is_false_after_the_reader_closes(pair: tuple[RingProducer, RingCo
 def test_ring_does_not_import_torch() -> None:
     code = "import sys, spectrain_workloads.ring; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_wait_until_wakes_on_data_as_well_as_windows(pair: tuple[RingProducer, RingConsumer]) -> None:
+    """The drafter sleeps on either channel: data published into an open window wakes it."""
+    p, c = pair
+    assert c.wait_until(c.next_data, timeout_s=0) is None              # nothing yet: gives up at once
+    published = threading.Event()
+
+    def publish() -> None:
+        p.publish_data({"i": 1}, {"x": np.arange(4, dtype=np.int64)})
+        published.set()
+
+    t = threading.Thread(target=publish)
+    t.start()
+    rec = c.wait_until(c.next_data, timeout_s=30)                     # woken by the publish, not the timeout
+    t.join()
+    assert published.is_set() and rec is not None and rec.meta == {"i": 1}
+    p.window_start(WindowKind.BUBBLE, stage=0, step=7)
+    assert [e.step for e in c.wait_until(c.poll_windows, timeout_s=30)] == [7]

@@ -12,7 +12,12 @@
   as the median of the recent durations of the same (channel, bytes, position) (position: the microbatch
   of a pipeline transfer, so a receive that regularly waits for a slower peer predicts that wait);
   a key never seen is predicted from the channel's (one per direction) latency + bytes / bandwidth
-  fit, and from `default_bytes_per_ns` before the channel has any sample.
+  fit, and from `default_bytes_per_ns` before the channel has any sample. DDP bucket all-reduces
+  are anchored instead (`comm_open(anchor="dp")`): an all-reduce ends when the slowest replica
+  launches the same bucket (measured: the early replica's bucket k ends 0.2-3 ms after the late
+  one's launch of k), so its duration is the peer's remaining backward, not bytes / bandwidth. The
+  step's first bucket launch is the anchor; bucket k is predicted to end at anchor + the median of
+  its recent (end - anchor), at least its shortest recent duration (the link alone, peer already there).
 - Imbalance: reactive and open-ended (predicted 0). Waiting is told from communicating by local
   timestamps only, no extra collective: when a rank reaches a sync point (its compute for the step
   is done, or it needs a tensor a peer has not sent), the transfers it still waits for are
@@ -54,7 +59,7 @@ class InstrumentOptions:
     imbalance_min_ns: int = 5_000_000      # slack past the expected end of comm before "waiting"
     default_bytes_per_ns: float = 1.0      # 1 GB/s until a channel has been measured
     default_latency_ns: int = 50_000       # per-message latency until a channel has been measured
-    history: int = 4                       # recent samples per bubble slot / transfer key (medians)
+    history: int = 8                       # recent samples per bubble slot / transfer key (medians)
 
 
 @dataclass

@@ -82,7 +82,7 @@ class SendTracker:
         if self._q is None:
             self._pending.append((dist.isend(tensor, dst, group=group, tag=tag), tensor))
             return
-        w = self.instrument.comm_open(channel, tensor.numel() * tensor.element_size())
+        w = self.instrument.comm_open(channel, tensor.numel() * tensor.element_size(), pos=tag)
         work = dist.isend(tensor, dst, group=group, tag=tag)
         with self._cv:
             self._inflight += 1
@@ -155,7 +155,7 @@ class StageExecutor:
             return [0.0] * n                  # unknown until this stage has measured F and B
         return self.schedule.bubble_predictions(self.stage, ema[0], ema[1], first_step=self._steps_run == 0)
 
-    def _wait_recv(self, work: Any, nbytes: int, channel: str, bubble: Any) -> None:
+    def _wait_recv(self, work: Any, nbytes: int, channel: str, bubble: Any, mb: int) -> None:
         instr = self.instrument
         if bubble is not None:
             work.wait()
@@ -164,7 +164,7 @@ class StageExecutor:
         if not instr.enabled:
             work.wait()
             return
-        w = instr.comm_open(channel, nbytes)
+        w = instr.comm_open(channel, nbytes, pos=mb)
         instr.sync_begin()
         work.wait()
         instr.sync_end()
@@ -210,7 +210,7 @@ class StageExecutor:
                     x = inputs[i * b:(i + 1) * b]
                 else:
                     x, work = recv_act[i]
-                    self._wait_recv(work, act_bytes, "pp-recv-act", bubble)
+                    self._wait_recv(work, act_bytes, "pp-recv-act", bubble, i)
                     x.requires_grad_(True)
                 bubble = None
                 t0 = time.monotonic_ns()
@@ -234,7 +234,7 @@ class StageExecutor:
                 grad = None
                 if not self.last:
                     grad, work = recv_grad[i]
-                    self._wait_recv(work, act_bytes, "pp-recv-grad", bubble)
+                    self._wait_recv(work, act_bytes, "pp-recv-grad", bubble, i)
                 bubble = None
                 sync = self.ddp is not None and i == last_b
                 if sync:

@@ -1,9 +1,11 @@
 """One drafter worker: follows one target rank's ring and trains in its idle windows.
 
-Loop: block on the ring's window channel (no spinning, so an idle drafter costs the target
+Loop: block on the ring (window events or data; no spinning, so an idle drafter costs the target
 nothing); when a usable window is open, run tasks back to back, each only if the gate says it
-fits, checking for the window's end before every task; between windows copy fresh data out of
-the ring and do the housekeeping (heartbeat on the back channel, summary, checkpoints, picking
+fits, checking for the window's end before every task. Data is copied out of the ring as soon
+as it arrives (a window that opens right after the step's data must not wait for the next
+event to see it), and again whenever the buffer runs dry inside a window. Between windows: the
+housekeeping (heartbeat on the back channel, summary, checkpoints, picking
 up the target's rewritten embedding/head). The worker only reads target state.
 """
 
@@ -100,7 +102,7 @@ class Worker:
                     # opened with an empty buffer waits for the step's data, not for the next event).
                     events, data = self._wait_input(WAIT_S)
                     if self.trainer is not None and (any(not e.is_end for e in events) or
-                                                     (data and self.tracker.open)):
+                                                     (data and self._could_start())):
                         continue   # work may start now: straight to it, housekeeping later
                 self._drain_data()
                 self._housekeeping()
@@ -215,6 +217,10 @@ class Worker:
             # (unless it did work in them: that work is accounted with its window).
             if cw.start_ns >= self.ready_ns or cw.window_id in self.metrics.pending:
                 self.metrics.window_closed(cw, threshold)
+
+    def _could_start(self) -> bool:
+        """Would the gate let work start in an open window now (data permitting)?"""
+        return self.calibrated and self.gate.allows(self.gate.budget(time.monotonic_ns()), None, starting=True)
 
     def _wait_input(self, timeout_s: float) -> tuple[list[Any], int]:
         """Block up to timeout_s for window events or data; apply both; -> (events, sequences added)."""
