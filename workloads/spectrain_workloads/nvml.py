@@ -73,6 +73,17 @@ class Nvml:
         self._owns_init = True
         return self
 
+    def device_handle(self, index: int) -> Any:
+        """The device's NVML handle, or None (reason recorded, session closed) when it cannot be had."""
+        if not self.available:
+            return None
+        try:
+            return self.lib.nvmlDeviceGetHandleByIndex(index)
+        except Exception as e:
+            self.reason = f"{_err_name(e)}: {e}"
+            self.close()
+            return None
+
     def close(self) -> None:
         if self._owns_init:
             try:
@@ -243,13 +254,7 @@ class UtilizationSignal:
         self.threshold_pct = threshold_pct
         self.min_samples = min_samples
         self._nvml = Nvml(lib).open()
-        self._handle: Any = None
-        if self._nvml.available:
-            try:
-                self._handle = self._nvml.lib.nvmlDeviceGetHandleByIndex(device_index)
-            except Exception as e:
-                self._nvml.reason = f"{_err_name(e)}: {e}"
-                self._nvml.close()
+        self._handle: Any = self._nvml.device_handle(device_index)
         self._streak = 0
 
     @property
@@ -350,13 +355,7 @@ class MemoryGuard:
         self.min_free_bytes = min_free_bytes
         self.limit_fraction = limit_fraction
         self._nvml = Nvml(lib).open()
-        self._handle: Any = None
-        if self._nvml.available:
-            try:
-                self._handle = self._nvml.lib.nvmlDeviceGetHandleByIndex(device_index)
-            except Exception as e:
-                self._nvml.reason = f"{_err_name(e)}: {e}"
-                self._nvml.close()
+        self._handle: Any = self._nvml.device_handle(device_index)
 
     def device_free_bytes(self) -> int | None:
         if self._handle is None:

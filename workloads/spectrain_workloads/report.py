@@ -192,9 +192,9 @@ def plot_curves(ranks: dict[int, RankData], out: Path) -> bool:
     return drew
 
 
-def artifact(run_dir: Path) -> str | None:
+def artifact(run_dir: Path, ranks: dict[int, RankData]) -> str | None:
     d = data_dir(run_dir)
-    for rd in load(run_dir).values():
+    for rd in ranks.values():
         if rd.summary.get("artifact"):
             return str(rd.summary["artifact"])
     for latest in d.rglob("LATEST"):
@@ -202,8 +202,8 @@ def artifact(run_dir: Path) -> str | None:
     return None
 
 
-def summarize(run_dir: Path) -> dict[str, Any]:
-    ranks = load(run_dir)
+def summarize(run_dir: Path, ranks: dict[int, RankData] | None = None) -> dict[str, Any]:
+    ranks = load(run_dir) if ranks is None else ranks
     h = harvest(ranks)
     with_d = _median(step_times(ranks))
     base = run_dir / "baseline"
@@ -220,7 +220,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "step_time_s_without_drafter": without,
         "target_slowdown_ratio": with_d / without if with_d and without else None,
         "acceptance_length": max(accs) if accs else None,
-        "artifact": artifact(run_dir),
+        "artifact": artifact(run_dir, ranks),
         **h,
     }
 
@@ -238,7 +238,7 @@ def build_report(run_dir: Path) -> Path:
     out_dir = run_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     ranks = load(run_dir)
-    s = summarize(run_dir)
+    s = summarize(run_dir, ranks)
     has_tl = plot_timeline(ranks, out_dir / "timeline.png")
     has_curves = plot_curves(ranks, out_dir / "curves.png")
     lines = [f"# spectrain run report: {run_dir}", "", "| figure | value |", "|---|---|"]

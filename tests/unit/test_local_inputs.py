@@ -1,0 +1,37 @@
+"""Bad inputs to `spectrain run` / `spectrain report` give clear errors naming what to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from spectrain_operator import local
+from spectrain_workloads import report
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("docs", [[], [{"kind": "ConfigMap"}], ["job", "job"]], ids=["empty", "no-job", "two-jobs"])
+def test_run_needs_exactly_one_spectrainjob(tmp_path: Path, docs: list) -> None:
+    job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump_all([job if d == "job" else d for d in docs]))
+    with pytest.raises(SystemExit, match=r"expected exactly one SpecTrainJob, found \d"):
+        local.load_manifest(path)
+
+
+def test_empty_target_command_falls_back_to_the_workload_entrypoint(tmp_path: Path) -> None:
+    job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    job["spec"]["target"]["command"] = []
+    job["spec"]["drafter"]["enabled"] = False
+    plan = local.plan(job, tmp_path / "r")
+    assert [Path(c.argv[0]).name for c in plan.containers] == ["spectrain-target"] * 2
+
+
+def test_report_of_a_directory_without_metrics_says_what_to_pass(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no metrics/ found; pass the --run-dir"):
+        report.build_report(tmp_path)
