@@ -1,14 +1,17 @@
-"""Thin kopf handlers: every cause (create, resume after an operator restart, a spec update, the
-periodic resync, any event of a pod carrying the job label) only triggers a reconcile pass of the
-job (reconciler.Reconciler.trigger). The pass itself is idempotent, so replayed or duplicated
-triggers are harmless.
+"""Thin kopf handlers: every event of a job that may need acting on (a new job, one seen when the
+operator starts or resumes, a spec change, a deletion) and every event of a pod carrying the job
+label only triggers a reconcile pass of the job (reconciler.Reconciler.handle). The pass itself is
+idempotent, so replayed or duplicated triggers are harmless.
 
-kopf's own bookkeeping lives in annotations (prefix spectrain.io), never in the status, and
-handlers return nothing (kopf would store results in the status).
+Only event handlers are used: they keep no state on the objects. kopf's create/update/resume
+handlers would write a diff base to every job, and a kopf timer would put a finalizer on it; the
+reconciler's own requeue timers do the periodic resync instead (reconciler.py). So kopf writes
+nothing to the jobs: no annotations, no finalizer, nothing in the status.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Mapping
@@ -18,12 +21,12 @@ import kopf
 
 from spectrain_operator import builders
 from spectrain_operator import spec as specmod
-from spectrain_operator.kube import Kube, RejectedError, TransientError
+from spectrain_operator.kube import Kube
 from spectrain_operator.reconciler import Reconciler
 
 RESOURCE = (specmod.GROUP, specmod.VERSION, specmod.PLURAL)
-RESYNC_SECONDS = float(os.environ.get("SPECTRAIN_RESYNC_SECONDS", "30"))
-RETRY_DELAY_S = 5.0
+# kopf's peering logs its pause/resume decisions here (kopf has no other public signal for them).
+PEERING_LOGGER = "kopf._core.engines.peering"
 
 log = logging.getLogger("spectrain.handlers")
 _state: dict[str, Reconciler] = {}
@@ -38,30 +41,46 @@ def reconciler() -> Reconciler:
     return _state["reconciler"]
 
 
-def _trigger(namespace: str | None, name: str | None) -> None:
-    if not namespace or not name:
-        return
-    try:
-        reconciler().trigger(namespace, name)
-    except TransientError as exc:
-        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
-    except RejectedError as exc:
-        # The operator itself is not allowed to do something (RBAC) or sent something invalid:
-        # retrying the same handler will not help; the resync timer tries again later.
-        raise kopf.PermanentError(str(exc)) from exc
+class _NoDiffBase(kopf.DiffBaseStorage):
+    """No diff base: event handlers never ask kopf what changed. (kopf's default storage would
+    deep-copy the body of every event, pods included, to build one.)"""
+
+    def build(self, *, body: Any, extra_fields: Any = None) -> Any:
+        return {}
+
+    def fetch(self, *, body: Any) -> None:
+        return None
+
+    def store(self, *, body: Any, patch: Any, essence: Any) -> None:
+        return None
+
+
+class _PeeringWatch(logging.Handler):
+    """Mirrors kopf's peering pause into `Reconciler.active`: a paused replica receives no events
+    from kopf, and its requeue timers must not reconcile either (the active replica does)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "reconciler" not in _state:
+            return
+        if message.startswith("Pausing "):
+            _state["reconciler"].active = False
+        elif message.startswith("Resuming "):
+            _state["reconciler"].active = True
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=specmod.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=specmod.GROUP, key="last-handled-configuration")
     settings.posting.enabled = False  # the reconciler posts its own, meaningful Events
+    settings.persistence.diffbase_storage = _NoDiffBase()
     settings.execution.max_workers = int(os.environ.get("SPECTRAIN_WORKERS", "16"))
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     if "reconciler" not in _state:
         install(Reconciler(Kube.from_environment(os.environ.get("SPECTRAIN_KUBECONFIG") or None)))
+    peering_log = logging.getLogger(PEERING_LOGGER)
+    if not any(isinstance(h, _PeeringWatch) for h in peering_log.handlers):
+        peering_log.addHandler(_PeeringWatch())
 
 
 @kopf.on.cleanup()
@@ -70,33 +89,37 @@ def shutdown(**_: Any) -> None:
         _state["reconciler"].close()
 
 
-@kopf.on.create(*RESOURCE)
-def created(namespace: str | None, name: str | None, **_: Any) -> None:
-    _trigger(namespace, name)
+def needs_pass(event_type: str | None, body: Mapping[str, Any]) -> bool:
+    """Whether a job event can change what the operator should do.
+
+    The initial listing (type None: the operator started or resumed after a peering pause) and
+    ADDED: yes. MODIFIED: only when the spec changed since the last pass acted on it (generation
+    != status.observedGeneration; also a status someone else overwrote), or the job is being
+    deleted. The operator's own status writes are MODIFIED events too and need nothing.
+    """
+    if event_type in (None, "ADDED"):
+        return True
+    meta = body.get("metadata") or {}
+    status = body.get("status")
+    if meta.get("deletionTimestamp"):
+        return True
+    if not isinstance(status, Mapping):
+        return True
+    return bool(status.get("observedGeneration") != meta.get("generation"))
 
 
-@kopf.on.resume(*RESOURCE)
-def resumed(namespace: str | None, name: str | None, **_: Any) -> None:
-    _trigger(namespace, name)
-
-
-@kopf.on.update(*RESOURCE, field="spec")
-def updated(namespace: str | None, name: str | None, **_: Any) -> None:
-    _trigger(namespace, name)
-
-
-@kopf.on.delete(*RESOURCE, optional=True)
-def deleted(namespace: str | None, name: str | None, **_: Any) -> None:
-    if namespace and name and "reconciler" in _state:
-        reconciler().forget(namespace, name)
-
-
-@kopf.timer(*RESOURCE, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-def resync(namespace: str | None, name: str | None, **_: Any) -> None:
-    try:
-        _trigger(namespace, name)
-    except (kopf.TemporaryError, kopf.PermanentError) as exc:
-        log.warning("resync of %s/%s: %s", namespace, name, exc)
+@kopf.on.event(*RESOURCE)
+def job_event(type: str | None, body: Mapping[str, Any], namespace: str | None, name: str | None,
+              **_: Any) -> None:
+    if not namespace or not name:
+        return
+    if type == "DELETED":
+        if "reconciler" in _state:
+            reconciler().forget(namespace, name)
+        return
+    if needs_pass(type, body):
+        # A new job's own event is as fresh as a read (see Reconciler.trigger): one GET less per job.
+        reconciler().handle(namespace, name, copy.deepcopy(dict(body)) if type == "ADDED" else None)
 
 
 @kopf.on.event("v1", "pods", labels={builders.LABEL_JOB: kopf.PRESENT})
@@ -106,7 +129,6 @@ def pod_event(namespace: str | None, labels: Mapping[str, str], type: str | None
         # while the operator is down is seen by the resume pass of its job). Its first status
         # change (scheduled, running) or its deletion is what matters, and triggers a pass.
         return
-    try:
-        _trigger(namespace, labels.get(builders.LABEL_JOB))
-    except (kopf.TemporaryError, kopf.PermanentError) as exc:
-        log.warning("pod event of %s/%s: %s", namespace, labels.get(builders.LABEL_JOB), exc)
+    job = labels.get(builders.LABEL_JOB)
+    if namespace and job:
+        reconciler().handle(namespace, job)

@@ -1,14 +1,24 @@
 """One reconcile pass for one SpecTrainJob, and the per-job serialisation around it.
 
-A pass reads the job and its pods fresh (never a possibly stale watch body), asks status.decide
+A pass reads the job and its pods fresh (never a possibly stale watch body; the one exception is
+a new job's ADDED event, see `trigger`), asks status.decide
 what to do, executes the plan through kube.Kube (children before pods, create-or-get), posts the
 Events, and writes the status once, only when it changed. Passes for one job never overlap:
 triggers that arrive while a pass runs are coalesced into one more pass.
+
+Requeues (backoff, deadlines, TTL, retries after an API error, and the periodic resync every
+`resync_s` that replaces kopf timers) live in one timer thread here rather than in kopf: kopf
+puts a finalizer on every object that has a timer (one more write per job, and jobs that cannot
+be deleted while no operator runs), and its create/update handlers keep a diff base in an
+annotation (another write). With level-based passes neither is needed.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -20,35 +30,98 @@ from typing import Any
 from spectrain_operator import builders, metrics, scheduling
 from spectrain_operator import spec as specmod
 from spectrain_operator import status as statusmod
-from spectrain_operator.kube import Kube, RejectedError
+from spectrain_operator.kube import Kube, RejectedError, TransientError
 
 Obj = dict[str, Any]
 log = logging.getLogger("spectrain.reconciler")
 
 _VALIDATION_CACHE_MAX = 4096
 _CREATE_WORKERS = 16
+_TIMER_WORKERS = 4
+RESYNC_SECONDS = float(os.environ.get("SPECTRAIN_RESYNC_SECONDS", "30"))
+RETRY_SECONDS = 5.0
+
+Key = tuple[str, str]
 
 
 @dataclass
 class _JobSlot:
     lock: threading.Lock = field(default_factory=threading.Lock)
     dirty: bool = False
-    timer: threading.Timer | None = None
-    timer_due: float = 0.0
+
+
+class _Timers:
+    """Every job's next requeue in one heap, served by one thread; due passes run on a small pool.
+
+    A key has at most one pending due time: scheduling it again keeps the earlier of the two.
+    The pending entry is dropped before its pass runs, so the pass can schedule the next one.
+    """
+
+    def __init__(self, fire: Callable[[Key], None]):
+        self._fire = fire
+        self._heap: list[tuple[float, int, Key]] = []
+        self._due: dict[Key, float] = {}
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._pool = ThreadPoolExecutor(_TIMER_WORKERS, thread_name_prefix="spectrain-requeue")
+        threading.Thread(target=self._run, name="spectrain-timers", daemon=True).start()
+
+    def schedule(self, key: Key, seconds: float) -> None:
+        due = time.monotonic() + seconds
+        with self._cv:
+            if self._closed or self._due.get(key, float("inf")) <= due:
+                return
+            self._due[key] = due
+            heapq.heappush(self._heap, (due, next(self._seq), key))
+            self._cv.notify()
+
+    def cancel(self, key: Key) -> None:
+        with self._cv:
+            self._due.pop(key, None)   # its heap entry is skipped when it comes up
+
+    def pending(self, key: Key) -> float | None:
+        with self._cv:
+            due = self._due.get(key)
+        return None if due is None else due - time.monotonic()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._due.clear()
+            self._cv.notify()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> None:
+        with self._cv:
+            while not self._closed:
+                now = time.monotonic()
+                while self._heap and self._heap[0][0] <= now:
+                    due, _, key = heapq.heappop(self._heap)
+                    if self._due.get(key) == due:
+                        del self._due[key]
+                        self._pool.submit(self._fire, key)
+                self._cv.wait(self._heap[0][0] - now if self._heap else None)
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, *, clock: Callable[[], datetime] | None = None):
+    def __init__(self, kube: Kube, *, clock: Callable[[], datetime] | None = None,
+                 resync_s: float = RESYNC_SECONDS, retry_s: float = RETRY_SECONDS):
         self.kube = kube
         self.clock = clock or (lambda: datetime.now(timezone.utc))
-        self._slots: dict[tuple[str, str], _JobSlot] = {}
+        self.resync_s, self.retry_s = resync_s, retry_s
+        self._slots: dict[Key, _JobSlot] = {}
         self._slots_lock = threading.Lock()
         self._validation: dict[tuple[str, int], list[str]] = {}
         self.passes = 0
         self.closed = False
+        # False while kopf peering has paused this replica (handlers.py): kopf then delivers no
+        # events, and the requeue timers must not act for it either.
+        self.active = True
         # Creates of one pass go out concurrently (one round trip for the children, one for the
         # pods, instead of one per object): a burst of new jobs is bound by API latency.
         self._pool = ThreadPoolExecutor(_CREATE_WORKERS, thread_name_prefix="spectrain-create")
+        self._timers = _Timers(self._fire)
 
     # ------------------------------------------------------------ triggering
 
@@ -56,8 +129,13 @@ class Reconciler:
         with self._slots_lock:
             return self._slots.setdefault(key, _JobSlot())
 
-    def trigger(self, namespace: str, name: str) -> None:
-        """Reconcile the job now, or make the pass running for it run once more."""
+    def trigger(self, namespace: str, name: str, fresh: Obj | None = None) -> None:
+        """Reconcile the job now, or make the pass running for it run once more.
+
+        `fresh`: the job as its ADDED watch event carried it. Nothing can have written to a job
+        the operator has only just heard of, so the first pass of this call may use it instead
+        of reading the job again; passes that follow always read it.
+        """
         slot = self._slot((namespace, name))
         slot.dirty = True
         while True:
@@ -66,54 +144,58 @@ class Reconciler:
             try:
                 while slot.dirty and not self.closed:
                     slot.dirty = False
-                    self.reconcile_once(namespace, name)
+                    if fresh is None:
+                        self.reconcile_once(namespace, name)
+                    else:
+                        self.reconcile_once(namespace, name, job=fresh)
+                        fresh = None
             finally:
                 slot.lock.release()
             if not slot.dirty or self.closed:
                 return
 
-    def _requeue(self, namespace: str, name: str, seconds: float) -> None:
-        seconds = min(max(seconds, 0.2), 3600.0)
-        slot = self._slot((namespace, name))
-        due = time.monotonic() + seconds
-        with self._slots_lock:
-            if slot.timer is not None and slot.timer.is_alive() and slot.timer_due <= due:
-                return
-            if slot.timer is not None:
-                slot.timer.cancel()
-            timer = threading.Timer(seconds, self._fire, args=(namespace, name))
-            timer.daemon = True
-            slot.timer, slot.timer_due = timer, due
-            timer.start()
-
-    def _fire(self, namespace: str, name: str) -> None:
-        # This timer is done waiting: forget it before the pass runs, so that a requeue the pass
-        # asks for schedules a new timer. (While this thread runs, `is_alive()` is still True and
-        # its due time is in the past: `_requeue` used to take it for an earlier pending timer
-        # and drop the new request, e.g. the TTL of a job that finished in a timer-fired pass.)
-        with self._slots_lock:
-            slot = self._slots.get((namespace, name))
-            if slot is not None and slot.timer is threading.current_thread():
-                slot.timer = None
+    def handle(self, namespace: str, name: str, fresh: Obj | None = None) -> None:
+        """`trigger`, for kopf handlers and timers: an error is logged and the pass requeued
+        (soon after a transient API error, at the next resync otherwise); nothing raises."""
         try:
-            self.trigger(namespace, name)
-        except Exception:  # the periodic resync retries; never let a timer thread die loudly
-            log.exception("requeued reconcile of %s/%s failed", namespace, name)
+            self.trigger(namespace, name, fresh)
+        except TransientError as exc:
+            log.warning("reconcile of %s/%s: %s; retrying in %.0f s", namespace, name, exc, self.retry_s)
+            self.requeue(namespace, name, self.retry_s)
+        except RejectedError as exc:
+            # The operator itself is not allowed to do something (RBAC) or sent something invalid:
+            # retrying at once will not help; the resync tries again.
+            log.error("reconcile of %s/%s: %s", namespace, name, exc)
+            self.requeue(namespace, name, self.resync_s)
+        except Exception:
+            log.exception("reconcile of %s/%s failed", namespace, name)
+            self.requeue(namespace, name, self.resync_s)
+
+    def requeue(self, namespace: str, name: str, seconds: float) -> None:
+        """Reconcile the job again in `seconds` (or earlier, if an earlier requeue is pending)."""
+        if not self.closed:
+            self._timers.schedule((namespace, name), min(max(seconds, 0.2), 3600.0))
+
+    _requeue = requeue
+
+    def _fire(self, key: Key) -> None:
+        if self.closed:
+            return
+        if not self.active:   # paused by peering: the active replica reconciles; look again later
+            self.requeue(*key, self.resync_s)
+            return
+        self.handle(*key)
 
     def forget(self, namespace: str, name: str) -> None:
         with self._slots_lock:
-            slot = self._slots.pop((namespace, name), None)
-        if slot is not None and slot.timer is not None:
-            slot.timer.cancel()
+            self._slots.pop((namespace, name), None)
+        self._timers.cancel((namespace, name))
         metrics.forget(namespace, name)
 
     def close(self) -> None:
         self.closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._slots_lock:
-            for slot in self._slots.values():
-                if slot.timer is not None:
-                    slot.timer.cancel()
+        self._timers.close()
 
     # ------------------------------------------------------------ one pass
 
@@ -129,10 +211,10 @@ class Reconciler:
             self._validation[key] = errors
         return errors
 
-    def reconcile_once(self, namespace: str, name: str) -> statusmod.Plan | None:
+    def reconcile_once(self, namespace: str, name: str, job: Obj | None = None) -> statusmod.Plan | None:
         started = time.perf_counter()
         try:
-            plan = self._pass(namespace, name)
+            plan = self._pass(namespace, name, job)
         except Exception as exc:
             metrics.RECONCILES.labels(result="error").inc()
             metrics.ERRORS.labels(kind=type(exc).__name__).inc()
@@ -142,9 +224,9 @@ class Reconciler:
         metrics.RECONCILES.labels(result="ok").inc()
         return plan
 
-    def _pass(self, namespace: str, name: str) -> statusmod.Plan | None:
+    def _pass(self, namespace: str, name: str, fresh: Obj | None = None) -> statusmod.Plan | None:
         self.passes += 1
-        raw = self.kube.get_job(namespace, name)
+        raw = fresh if fresh is not None else self.kube.get_job(namespace, name)
         if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
             self.forget(namespace, name)
             return None
@@ -258,6 +340,7 @@ class Reconciler:
                "conditions": conds.as_list(), "completionTime": old.get("completionTime") or stamp}
         self._write_status(job, new, old, [statusmod.Event("Warning", "Failed", "; ".join(errors[:8]))]
                            if old.get("phase") != "Failed" else [])
+        self.requeue(job["metadata"]["namespace"], job["metadata"]["name"], self.resync_s)
         return None
 
     def _execute(self, job: Obj, plan: statusmod.Plan) -> None:
@@ -271,14 +354,16 @@ class Reconciler:
         if plan.delete_job:
             self.kube.delete_job(ns, name)
             self.forget(ns, name)
-        elif plan.requeue_after is not None:
-            self._requeue(ns, name, plan.requeue_after)
+        else:
+            self.requeue(ns, name, self.resync_s if plan.requeue_after is None
+                         else min(plan.requeue_after, self.resync_s))
 
     def _write_status(self, job: Obj, new: Obj, old: Obj, events: list[statusmod.Event]) -> None:
         meta = job["metadata"]
         if _pruned(new) != _pruned(old):
             self.kube.patch_status(meta["namespace"], meta["name"], new, old)
         for event in events:
+            log.info("%s/%s %s: %s", meta["namespace"], meta["name"], event.reason, event.message[:200])
             self.kube.post_event(job, event)
 
 

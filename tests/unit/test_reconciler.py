@@ -196,3 +196,95 @@ def test_a_status_differing_only_by_nulls_is_not_rewritten() -> None:
     r.reconcile_once(NS, "k")
     assert len(writes) == 1
     r.close()
+
+
+def test_every_pass_arms_the_resync_and_a_transient_error_a_retry() -> None:
+    kube = FakeKube(job())
+    r = Reconciler(kube, resync_s=600.0, retry_s=50.0)  # type: ignore[arg-type]
+    try:
+        r.handle(NS, "k")
+        assert 590 < (r._timers.pending((NS, "k")) or 0) <= 600   # the resync replaces kopf's timer
+
+        def unavailable(namespace: str, name: str) -> None:
+            raise recmod.TransientError("GET: 503 busy", 503)
+
+        r.forget(NS, "k")
+        kube.get_job = unavailable  # type: ignore[method-assign, assignment]
+        r.handle(NS, "k")   # logged, not raised: the handlers never see an exception
+        assert 40 < (r._timers.pending((NS, "k")) or 0) <= 50
+    finally:
+        r.close()
+
+
+def test_a_replica_paused_by_peering_does_not_reconcile_on_its_timers() -> None:
+    fired: list[str] = []
+    r = Reconciler(FakeKube(job()), resync_s=300.0)  # type: ignore[arg-type]
+    r.reconcile_once = lambda ns, name: fired.append(name)  # type: ignore[assignment, method-assign, return-value]
+    try:
+        r.active = False
+        r.requeue(NS, "k", 0.01)
+        # the due timer re-arms itself at the resync instead of running a pass
+        wait_for(lambda: (r._timers.pending((NS, "k")) or 0) > 200, 10, what="the timer re-armed at the resync")
+        assert fired == []
+        r.active = True
+        r.requeue(NS, "k", 0.01)
+        wait_for(lambda: fired, 10, what="a pass once active again")
+    finally:
+        r.close()
+
+
+def test_kopf_peering_pause_and_resume_reach_the_reconciler() -> None:
+    import logging
+
+    from spectrain_operator import handlers
+
+    r = Reconciler(FakeKube(job()))  # type: ignore[arg-type]
+    handlers.install(r)
+    watch = handlers._PeeringWatch()
+    try:
+        def record(msg: str) -> logging.LogRecord:
+            return logging.LogRecord(handlers.PEERING_LOGGER, logging.INFO, __file__, 1, msg, None, None)
+
+        watch.emit(record("Pausing operations in favour of [Peer(identity='b', priority=9)]."))
+        assert r.active is False
+        watch.emit(record("Keep-alive in 'spectrain' cluster-wide: ok."))
+        assert r.active is False
+        watch.emit(record("Resuming operations after the pause. Conflicting operators with the same priority are gone."))
+        assert r.active is True
+    finally:
+        r.close()
+
+
+def test_which_job_events_need_a_pass() -> None:
+    from spectrain_operator.handlers import needs_pass
+
+    meta = {"name": "k", "generation": 3}
+    assert needs_pass(None, {"metadata": meta})                      # initial listing: resume
+    assert needs_pass("ADDED", {"metadata": meta})
+    assert not needs_pass("MODIFIED", {"metadata": meta, "status": {"observedGeneration": 3}})   # our own write
+    assert needs_pass("MODIFIED", {"metadata": meta, "status": {"observedGeneration": 2}})       # a spec change
+    assert needs_pass("MODIFIED", {"metadata": meta})                # no status yet
+    assert needs_pass("MODIFIED", {"metadata": meta, "status": "forged"})
+    assert needs_pass("MODIFIED", {"metadata": {**meta, "deletionTimestamp": "2026-01-01T00:00:00Z"},
+                                   "status": {"observedGeneration": 3}})
+
+
+def test_a_new_job_s_first_pass_uses_its_event_body_and_later_passes_read_it() -> None:
+    kube = FakeKube(job())
+    reads: list[str] = []
+    real_get = kube.get_job
+
+    def counting_get(namespace: str, name: str) -> Obj | None:
+        reads.append(name)
+        return real_get(namespace, name)
+
+    kube.get_job = counting_get  # type: ignore[method-assign]
+    r = Reconciler(kube)  # type: ignore[arg-type]
+    try:
+        r.trigger(NS, "k", fresh=job())
+        assert reads == [] and len(kube.creates) == 7   # created from the ADDED body, no GET
+        r.trigger(NS, "k")
+        assert reads == ["k"]
+        assert len(kube.creates) == 7                    # nothing twice
+    finally:
+        r.close()

@@ -62,12 +62,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/* The operator's rules on namespaced resources (a ClusterRole cluster-wide, a Role per watched namespace). */}}
 {{- define "spectrain-operator.namespacedRules" -}}
-# SpecTrainJobs: watched by kopf, which patches its finalizer and bookkeeping annotations;
+# SpecTrainJobs: listed and watched by kopf (event handlers only: no finalizer, no annotations);
 # the reconciler reads one fresh per pass, deletes it after ttlSecondsAfterFinished and writes
-# the status subresource. Never created.
+# the status subresource. Never created, never patched.
 - apiGroups: ["spectrain.io"]
   resources: ["spectrainjobs"]
-  verbs: ["get", "list", "watch", "patch", "delete"]
+  verbs: ["get", "list", "watch", "delete"]
 - apiGroups: ["spectrain.io"]
   resources: ["spectrainjobs/status"]
   verbs: ["patch"]
