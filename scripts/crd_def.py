@@ -99,9 +99,13 @@ def spec_schema() -> dict[str, Any]:
         "data": i("Data-parallel degree.", default=1, minimum=1, maximum=4096),
         "pipeline": i("Pipeline-parallel degree (stages). Must divide the model's layer count.",
                       default=1, minimum=1, maximum=1024),
-        "microbatches": i("Microbatches per step; at least `pipeline` when pipeline > 1.",
-                          default=1, minimum=1, maximum=65536),
-        "schedule": s("Pipeline schedule.", default="1F1B", enum=["GPipe", "1F1B", "Interleaved1F1B"]),
+        "microbatches": i("Microbatches per step; at least `pipeline` when pipeline > 1 (Interleaved1F1B: "
+                          "a multiple of `pipeline`).", default=1, minimum=1, maximum=65536),
+        "schedule": s("Pipeline schedule. GPipe (all forwards, then all backwards) and 1F1B (warm-up, then "
+                      "one forward one backward) idle (p-1)/(m+p-1) of a step; Interleaved1F1B gives each "
+                      "rank 2 model chunks (virtual stages; needs pipeline >= 2 and 2 * pipeline dividing "
+                      "the layer count) and idles (p-1)/(2m+p-1).",
+                      default="1F1B", enum=["GPipe", "1F1B", "Interleaved1F1B"]),
     }, default={})
     basis = o("Basis-rotation optimizer settings; read only when optimizer.name is BasisRotation.", {
         "refreshEvery": i("Steps between eigenbasis refreshes.", default=10, minimum=1, maximum=1000000),

@@ -317,6 +317,14 @@ def semantic_errors(obj: Obj) -> list[str]:
     if target["parallelism"]["schedule"] == "Interleaved1F1B" and layers_raw % (2 * pipeline):
         out.append(f"spec.target.parallelism.schedule: Interleaved1F1B needs 2 virtual stages per rank, so "
                    f"2 * pipeline ({2 * pipeline}) must divide the model's {layers_raw} layers")
+    if target["parallelism"]["schedule"] == "Interleaved1F1B":
+        microbatches = target["parallelism"]["microbatches"]
+        if pipeline < 2:
+            out.append("spec.target.parallelism.pipeline: Interleaved1F1B interleaves model chunks across "
+                       "pipeline ranks and needs pipeline >= 2; use schedule 1F1B for pipeline 1")
+        elif microbatches % pipeline:
+            out.append(f"spec.target.parallelism.microbatches: Interleaved1F1B needs a multiple of pipeline "
+                       f"({pipeline}), got {microbatches}")
     max_len = overrides.get("max_seq_len", presets.PRESETS[model["preset"]].get("max_seq_len"))
     if isinstance(max_len, int) and target["data"]["seqLen"] > max_len:
         out.append(f"spec.target.data.seqLen: {target['data']['seqLen']} exceeds the model's max_seq_len "

@@ -3,6 +3,9 @@
 Runs are module-scoped and shared between assertions to keep the tier short on 2 cores:
 - `pp`: pipeline 2 x 1F1B, 4 microbatches of 2 x 128 tokens (reference loss, bubbles, data
   channel, shared files): long enough F/B that per-step overheads do not blur the bubbles;
+- `ipp`: the same with Interleaved1F1B (2 chunks of 1 layer per rank): reference loss, bubbles,
+  data channel from the last chunk, bitwise resume from a copy of its step-8 checkpoints;
+- `idp`: data 2 x pipeline 2 x Interleaved1F1B, a few short steps (per-chunk DDP vs a reference);
 - `dp`: data 2, small DDP buckets (loss falls, comm windows per bucket, no imbalance);
 - `dp_off`: the same with instrumentation off (bitwise-equal losses, no windows);
 - `dp_skew`: the same with the seq-length skew injector (imbalance windows);
@@ -82,6 +85,50 @@ def dp_cfg(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory: pytest.TempPathFactory, dp_cfg: Path) -> Path:
     return _run(tmp_path_factory.mktemp("dp"), dp_cfg, 2)
+
+
+@pytest.fixture(scope="module")
+def ipp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ipp")
+    return _run(root, _config(root / "cfg.json", data=1, pipeline=2, microbatches=4, seq_len=PP_SEQ,
+                              schedule="Interleaved1F1B"), 2)
+
+
+def _reference_losses(cfg_path: Path, seq_len: int, steps: int, data: int = 1) -> list[float]:
+    """Single-process losses of replica 0 for the same seed, microbatching and data shards (the
+    gradient is the mean over the replicas' batches, as DDP's)."""
+    import torch
+    import torch.nn.functional as F
+
+    from spectrain_workloads import config
+    from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
+    from spectrain_workloads.model import Transformer, model_config
+    from spectrain_workloads.optim import build_optimizer
+
+    torch.set_num_threads(1)
+    cfg = config.load(cfg_path)
+    m = cfg.target.parallelism.microbatches
+    model = Transformer(model_config("debug", vocab_size=264))
+    model.init_weights(cfg.seed)
+    opt = build_optimizer(model, cfg.target.optimizer, stage=0, n_stages=1)
+    corpus = load_corpus("builtin:python-stdlib", max_bytes=1 << 20)
+    loaders = [TokenLoader(corpus, LoaderSpec(seq_len=seq_len, batch_size=8, data_parallel=data, replica=r,
+                                              seed=cfg.seed)) for r in range(data)]
+    b = 8 // m
+    ref = []
+    for step in range(steps):
+        for r, loader in enumerate(loaders):
+            x, y = loader.batch(step)
+            total = 0.0
+            for i in range(m):
+                loss = F.cross_entropy(model(x[b * i:b * i + b]).reshape(-1, 264), y[b * i:b * i + b].reshape(-1)) / m
+                (loss / data).backward()
+                total += loss.item()
+            if r == 0:
+                ref.append(total)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return ref
 
 
 def test_pipeline_loss_equals_single_process_reference(pp: Path) -> None:
@@ -226,3 +273,83 @@ def test_sigterm_saves_and_resume_is_bitwise(dp: Path, dp_cfg: Path, tmp_path_fa
         losses = _losses(root, rank)
         assert losses[-(STEPS - saved[0]):] == _losses(dp, rank)[saved[0]:]
         assert losses[:saved[0]] == _losses(dp, rank)[:saved[0]]
+
+
+def test_interleaved_loss_equals_single_process_reference(ipp: Path) -> None:
+    ref = _reference_losses(ipp / "cfg.json", PP_SEQ, STEPS)
+    got = _losses(ipp, 1)                      # rank 1 holds the last virtual stage (chunk 1: layer 3 + head)
+    assert _losses(ipp, 0) == got
+    assert got == pytest.approx(ref, rel=1e-4, abs=1e-5)
+    assert sorted(p.name for p in (ipp / "target" / "rank-0").iterdir()) == ["step-12", "step-8"]
+
+
+def test_interleaved_bubble_windows_follow_the_schedule(ipp: Path) -> None:
+    from spectrain_workloads.schedule import Op, Schedule
+
+    sched = Schedule(name="Interleaved1F1B", n_stages=2, microbatches=4)
+    fractions = []
+    for stage in (0, 1):
+        n_slots = sum(1 for a in sched.stage_actions(stage) if a.op is Op.BUBBLE)
+        assert n_slots == (3 if stage == 0 else 1)
+        bubbles = _windows(ipp, stage, "Bubble")
+        for step in range(STEPS):
+            mine = sorted((w for w in bubbles if w["step"] == step), key=lambda w: w["start_ns"])
+            assert [w["slot"] for w in mine] == list(range(n_slots)), (stage, step)
+            if step >= 2:
+                assert all(w["predicted_ns"] > 0 for w in mine)
+        steps = _lines(ipp, f"target-rank-{stage}.jsonl")[2:]
+        idle = sum(w["actual_ns"] for w in bubbles if w["step"] >= 2) / 1e9
+        fractions.append(idle / (sum(s["pipeline_ms"] for s in steps) / 1e3))
+    # Formula (p-1)/(v*m+p-1) = 1/9 for (p, m, v) = (2, 4, 2), against 0.2 for 1F1B with the same
+    # (p, m): the same band as the 1F1B test.
+    assert sched.formula_bubble_fraction() == pytest.approx(1 / 9)
+    assert abs(sum(fractions) / 2 - sched.formula_bubble_fraction()) <= 0.08, fractions
+    assert all(abs(f - sched.formula_bubble_fraction()) <= 0.12 for f in fractions), fractions
+
+
+def test_interleaved_feeds_the_ring_from_the_last_chunk_and_resumes_bitwise(
+        ipp: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from spectrain_workloads.ring import RingConsumer
+
+    with RingConsumer.open(ring_file(ipp / "ring", 1, world=2), timeout_s=5, start="oldest") as c:
+        rec = c.next_data()
+        assert rec is not None and rec.meta["stage"] == 1
+        assert rec.arrays["hidden"].shape == (PP_SEQ, 64) and rec.arrays["tokens"].shape == (PP_SEQ,)
+    shared = ipp / "target" / "shared"
+    assert load_file(str(shared / "embedding.safetensors"))["weight"].shape == (264, 64)
+    assert load_file(str(shared / "lm_head.safetensors"))["weight"].shape == (264, 64)
+    # every rank's checkpoint holds both of its chunks: rank r has layers r and 2 + r
+    for rank in (0, 1):
+        keys = torch_load(ipp / "target" / f"rank-{rank}" / "step-8" / "state.pt")["model"].keys()
+        assert {k.split(".")[2] for k in keys if ".layers." in k} == {str(rank), str(2 + rank)}
+    root = tmp_path_factory.mktemp("iresume")
+    for rank in (0, 1):
+        shutil.copytree(ipp / "target" / f"rank-{rank}" / "step-8", root / "target" / f"rank-{rank}" / "step-8")
+    _run(root, ipp / "cfg.json", 2)        # resumes from step 8
+    for rank in (0, 1):
+        assert _losses(root, rank) == _losses(ipp, rank)[8:]
+
+
+def torch_load(path: Path) -> dict[str, Any]:
+    import torch
+
+    return torch.load(path, weights_only=False)
+
+
+def test_interleaved_with_data_parallel_equals_the_reference(tmp_path_factory: pytest.TempPathFactory) -> None:
+    root = tmp_path_factory.mktemp("idp")
+    steps = 3
+    cfg = _config(root / "cfg.json", data=2, pipeline=2, microbatches=2, steps=steps, every=100,
+                  schedule="Interleaved1F1B")
+    # 4 processes on a small machine: one thread each, no ring (windows still go to the metrics)
+    _run(root, cfg, 4, {"SPECTRAIN_TORCH_THREADS": "1", "SPECTRAIN_DRAFTER_ENABLED": "0"})
+    got = _losses(root, 1)                     # last stage of replica 0
+    assert got == pytest.approx(_reference_losses(cfg, 32, steps, data=2), rel=1e-4, abs=1e-5)
+    for rank in range(4):                      # each chunk all-reduces its own buckets every step
+        comm = {w["channel"].rsplit("-", 1)[0] for w in _windows(root, rank, "Communication")
+                if w["channel"].startswith("dp-bucket-") and w["step"] == steps - 1}
+        assert comm == {"dp-bucket-c0", "dp-bucket-c1"}, (rank, comm)

@@ -225,6 +225,17 @@ def test_semantic_layers_divisible_by_pipeline() -> None:
     assert spec.validate(m)[0].startswith("spec.target.model.overrides.n_layers")
 
 
+def test_semantic_interleaved_needs_chunks_of_layers_and_groups_of_microbatches() -> None:
+    par = {"pipeline": 2, "microbatches": 4, "schedule": "Interleaved1F1B"}
+    assert spec.validate(with_spec(**{"target.nodes": 2, "target.parallelism": par})) == []
+    errors = spec.validate(with_spec(**{"target.nodes": 2, "target.parallelism": {**par, "microbatches": 3}}))
+    assert errors == ["spec.target.parallelism.microbatches: Interleaved1F1B needs a multiple of pipeline (2), got 3"]
+    errors = spec.validate(with_spec(**{"target.parallelism": {**par, "pipeline": 1}}))
+    assert errors and errors[0].startswith("spec.target.parallelism.pipeline: Interleaved1F1B")
+    errors = spec.validate(with_spec(**{"target.nodes": 4, "target.parallelism": {**par, "pipeline": 4}}))
+    assert errors and errors[0].startswith("spec.target.parallelism.schedule: Interleaved1F1B needs 2 virtual")
+
+
 def test_semantic_seq_len_within_the_model() -> None:
     errors = spec.validate(with_spec(**{"target.data.seqLen": 4096}))
     assert errors[0].startswith("spec.target.data.seqLen: 4096 exceeds")

@@ -9,15 +9,28 @@ Per step, stage s of p with m microbatches of shape [b, T] (b = batch / m):
   input gradient [b, T, H] goes to s-1.
 - BUBBLE(k): a scheduled idle slot: opened (with its prediction) before the wait that ends it.
 
+Interleaved1F1B: the rank holds v chunks (`module` is a list, one per chunk) and every F/B names
+its chunk c, virtual stage j = c * p + stage of V = p * v. Virtual stage 0 embeds, V-1 computes
+the loss and feeds `on_hidden`; j sends to j+1, which is the next rank in the ring (the last rank
+sends to rank 0's next chunk), and receives from j-1 (the previous rank in the ring). Transfers
+are tagged with the *receiving* chunk and the microbatch, tag = chunk * m + mb, so every receive
+of a step has its own (peer, group, tag) and gloo pairs them whatever the order (with one chunk,
+tag = mb as before).
+
 Activations and gradients travel on two process groups (forward, backward) so that on NCCL the two
 directions get separate communicators and a pre-posted receive in one direction never blocks a
-send in the other. All receives of a step are posted at its start (gloo matches by tag = mb).
+send in the other. All receives of a step are posted at its start (gloo matches by tag = mb),
+in the order the peer sends them (NCCL matches by order). Interleaved, the wrap-around link
+(last rank -> rank 0 forward, back for gradients) has two more groups: with p = 2 the ranks are
+each other's next and previous, and one group would carry both directions between them.
 
-DDP (data parallel across replicas of the same stage): forwards run under DDP with
+DDP (data parallel across replicas of the same stage; one DDP per chunk): forwards run under DDP with
 require_backward_grad_sync off (like `no_sync()`); right before the step's last backward the
 reducer is armed with `prepare_for_backward([])`, which is exactly what DDP's own forward does
 when sync is on. That is needed because in 1F1B the last forward is not followed by the last
-backward, so `no_sync()` around forwards cannot express it. The comm hook is the default
+backward, so `no_sync()` around forwards cannot express it. Each chunk's reducer is armed
+before that chunk's last backward on the rank, so it all-reduces exactly the chunk's gradients
+(every chunk's parameters take part in each of its backwards). The comm hook is the default
 all-reduce's maths (divide by world, sum) plus Communication windows per bucket; it is installed
 whether or not instrumentation is on, so losses are bitwise equal either way.
 """
@@ -27,7 +40,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +53,10 @@ from spectrain_workloads.instrument import Instrument
 from spectrain_workloads.schedule import Op, Schedule
 
 
-def make_comm_hook(instrument: Instrument) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
-    """DDP comm hook: bucket all-reduce (mean) with a Communication window per bucket."""
+def make_comm_hook(instrument: Instrument, channel: str = "dp-bucket-"
+                   ) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
+    """DDP comm hook: bucket all-reduce (mean) with a Communication window per bucket
+    (channel + bucket index; one prefix per DDP, e.g. per model chunk)."""
 
     # No annotations on purpose: DDP checks them against the real classes, and this module's
     # `from __future__ import annotations` turns them into strings.
@@ -51,7 +66,7 @@ def make_comm_hook(instrument: Instrument) -> Callable[[Any, dist.GradBucket], t
         buf.div_(world)                             # same maths as torch's allreduce_hook
         # anchor "dp": a bucket's all-reduce ends when the slowest replica launches it, so its end is
         # predicted relative to this step's first bucket launch (instrument.py), not from bandwidth
-        w = instrument.comm_open(f"dp-bucket-{bucket.index()}", buf.numel() * buf.element_size(), anchor="dp")
+        w = instrument.comm_open(f"{channel}{bucket.index()}", buf.numel() * buf.element_size(), anchor="dp")
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
 
         def done(f: torch.futures.Future) -> torch.Tensor:
@@ -125,28 +140,58 @@ class StepOutput:
 
 @dataclass(kw_only=True)
 class StageExecutor:
-    module: nn.Module                        # the stage (a Transformer slice), possibly DDP-wrapped
+    module: nn.Module | Sequence[nn.Module]  # the stage (a Transformer slice) or one per chunk, maybe DDP
     schedule: Schedule
     stage: int
     instrument: Instrument
-    prev_rank: int | None = None             # global ranks of the neighbouring stages
-    next_rank: int | None = None
+    prev_rank: int | None = None             # global ranks of the neighbouring stages (interleaved: in the
+    next_rank: int | None = None             # ring, the last stage's next is stage 0)
     fwd_group: Any = None
     bwd_group: Any = None
+    fwd_wrap_group: Any = None               # interleaved: last rank -> rank 0 (activations)
+    bwd_wrap_group: Any = None               # interleaved: rank 0 -> last rank (gradients)
     dim: int = 0
     act_dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     on_hidden: Callable[[int, int, torch.Tensor, torch.Tensor], None] | None = None  # (step, mb, hidden, tokens)
 
     def __post_init__(self) -> None:
-        self.ddp = self.module if isinstance(self.module, nn.parallel.DistributedDataParallel) else None
-        if self.ddp is not None:
-            self.ddp.require_backward_grad_sync = False
+        self.modules = list(self.module) if isinstance(self.module, Sequence) else [self.module]
+        if len(self.modules) != self.schedule.chunks:
+            raise ValueError(f"{self.schedule.name} runs {self.schedule.chunks} chunk(s) per rank, "
+                             f"got {len(self.modules)} module(s)")
+        self.ddps = [m if isinstance(m, nn.parallel.DistributedDataParallel) else None for m in self.modules]
+        for ddp in self.ddps:
+            if ddp is not None:
+                ddp.require_backward_grad_sync = False
+        self.n_virtual = self.schedule.n_stages * self.schedule.chunks
         self.first = self.stage == 0
-        self.last = self.stage == self.schedule.n_stages - 1
+        self.last = self.stage == self.schedule.n_stages - 1   # holds the last virtual stage (loss)
+        # Groups per direction of each link: the wrap-around link of interleaving (last rank ->
+        # rank 0 forward, rank 0 -> last rank backward) has its own, so that on NCCL (one stream
+        # per pair and group) no pair of ranks ever has both a receive and a send on one group.
+        self.act_in = self.fwd_wrap_group if self.first else self.fwd_group
+        self.act_out = self.fwd_wrap_group if self.last else self.fwd_group
+        self.grad_in = self.bwd_wrap_group if self.last else self.bwd_group
+        self.grad_out = self.bwd_wrap_group if self.first else self.bwd_group
+        self.act_tags = self._recv_tags(Op.F)
+        self.grad_tags = self._recv_tags(Op.B)
         self.actions = self.schedule.stage_actions(self.stage)
         self.sends = SendTracker(self.instrument)
         self._steps_run = 0
+
+    def _recv_tags(self, op: Op) -> list[int]:
+        """Tags of this rank's activation (F) or gradient (B) receives, in the order the peer sends
+        them (its action order), as NCCL matches by order; gloo matches by tag."""
+        p, m = self.schedule.n_stages, self.schedule.microbatches
+        peer = (self.stage - 1) % p if op is Op.F else (self.stage + 1) % p
+        out = []
+        for a in self.schedule.orders[peer]:
+            if a.op is op:
+                to = a.chunk * p + peer + (1 if op is Op.F else -1)     # the receiving virtual stage
+                if 0 <= to < self.n_virtual and to % p == self.stage:
+                    out.append((to // p) * m + a.mb)
+        return out
 
     def _bubble_predictions(self) -> list[float]:
         ema = self.instrument.compute_ema_ns
@@ -175,92 +220,99 @@ class StageExecutor:
 
         inputs, targets: [B, T] int64 token ids of this replica's batch.
         """
-        m = self.schedule.microbatches
+        m, p, v = self.schedule.microbatches, self.schedule.n_stages, self.schedule.chunks
         B, T = inputs.shape
         b = B // m
         instr = self.instrument
         instr.step = step
         act_shape = (b, T, self.dim)
         act_bytes = b * T * self.dim * torch.empty((), dtype=self.act_dtype).element_size()
-        recv_act: list[tuple[torch.Tensor, Any]] = []
-        recv_grad: list[tuple[torch.Tensor, Any]] = []
-        if not self.first:
-            for i in range(m):
-                buf = torch.empty(act_shape, dtype=self.act_dtype, device=self.device)
-                recv_act.append((buf, dist.irecv(buf, self.prev_rank, group=self.fwd_group, tag=i)))
-        if not self.last:
-            for i in range(m):
-                buf = torch.empty(act_shape, dtype=self.act_dtype, device=self.device)
-                recv_grad.append((buf, dist.irecv(buf, self.next_rank, group=self.bwd_group, tag=i)))
+        vstage = [c * p + self.stage for c in range(v)]     # virtual stage of each chunk
+        # Receives by tag = chunk * m + mb (chunk: this rank's, the receiving one).
+        recv_act: dict[int, tuple[torch.Tensor, Any]] = {}
+        recv_grad: dict[int, tuple[torch.Tensor, Any]] = {}
+        for tag in self.act_tags:
+            buf = torch.empty(act_shape, dtype=self.act_dtype, device=self.device)
+            recv_act[tag] = (buf, dist.irecv(buf, self.prev_rank, group=self.act_in, tag=tag))
+        for tag in self.grad_tags:
+            buf = torch.empty(act_shape, dtype=self.act_dtype, device=self.device)
+            recv_grad[tag] = (buf, dist.irecv(buf, self.next_rank, group=self.grad_in, tag=tag))
         preds = self._bubble_predictions()
-        ins: dict[int, torch.Tensor] = {}
+        ins: dict[int, torch.Tensor] = {}      # by tag
         outs: dict[int, torch.Tensor] = {}
         out = StepOutput(loss=0.0 if self.last else None)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        last_b = self.schedule.last_backward(self.stage)
+        last_b = self.schedule.last_backwards(self.stage)   # chunk -> microbatch of its last backward
         bubble = None
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         for a in self.actions:
             if a.op is Op.BUBBLE:
                 bubble = instr.bubble_open(preds[a.slot], a.slot, learn=self._steps_run > 0 or a.slot > 0)
                 continue
-            i = a.mb
+            i, c = a.mb, a.chunk
+            j = vstage[c]
+            first, last = j == 0, j == self.n_virtual - 1
+            k = c * m + i                                   # this chunk's tag for microbatch i
+            module = self.modules[c]
             if a.op is Op.F:
-                if self.first:
+                if first:
                     x = inputs[i * b:(i + 1) * b]
                 else:
-                    x, work = recv_act[i]
-                    self._wait_recv(work, act_bytes, "pp-recv-act", bubble, i)
+                    x, work = recv_act[k]
+                    self._wait_recv(work, act_bytes, "pp-recv-act", bubble, k)
                     x.requires_grad_(True)
                 bubble = None
                 t0 = time.monotonic_ns()
-                if self.last:
-                    logits, hidden = self.module(x, return_hidden=True)          # [b, T, V], [b, T, H]
+                if last:
+                    logits, hidden = module(x, return_hidden=True)               # [b, T, V], [b, T, H]
                     y = targets[i * b:(i + 1) * b]
                     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1)) / m
-                    outs[i] = loss
+                    outs[k] = loss
                     loss_sum += loss.detach()
                     if self.on_hidden is not None:
                         self.on_hidden(step, i, hidden.detach(), inputs[i * b:(i + 1) * b])
                 else:
-                    outs[i] = self.module(x)                                      # [b, T, H]
+                    outs[k] = module(x)                                           # [b, T, H]
                 dt = time.monotonic_ns() - t0
                 out.forward_ns.append(dt)
                 instr.record_compute("F", dt)
-                ins[i] = x
-                if not self.last:
-                    self.sends.send(outs[i].detach(), self.next_rank, self.fwd_group, i, "pp-send-act")
+                ins[k] = x
+                if not last:
+                    tag = ((j + 1) // p) * m + i                  # the receiving chunk's tag
+                    self.sends.send(outs[k].detach(), self.next_rank, self.act_out, tag, "pp-send-act")
             else:
                 grad = None
-                if not self.last:
-                    grad, work = recv_grad[i]
-                    self._wait_recv(work, act_bytes, "pp-recv-grad", bubble, i)
+                if not last:
+                    grad, work = recv_grad[k]
+                    self._wait_recv(work, act_bytes, "pp-recv-grad", bubble, k)
                 bubble = None
-                sync = self.ddp is not None and i == last_b
+                ddp = self.ddps[c]
+                sync = ddp is not None and i == last_b[c]
                 if sync:
-                    self._arm_ddp_sync(outs[i])
+                    assert ddp is not None
+                    self._arm_ddp_sync(outs[k], ddp)
                 t0 = time.monotonic_ns()
-                torch.autograd.backward(outs[i], grad_tensors=grad)
+                torch.autograd.backward(outs[k], grad_tensors=grad)
                 if sync:
                     instr.sync_end()   # DDP finalize waited for the buckets inside backward()
                 dt = time.monotonic_ns() - t0
                 out.backward_ns.append(dt)
                 instr.record_compute("B", dt)
-                x = ins.pop(i)
-                del outs[i]
-                if not self.first:
+                x = ins.pop(k)
+                del outs[k]
+                if not first:
                     assert x.grad is not None
-                    self.sends.send(x.grad, self.prev_rank, self.bwd_group, i, "pp-send-grad")
+                    tag = ((j - 1) // p) * m + i
+                    self.sends.send(x.grad, self.prev_rank, self.grad_out, tag, "pp-send-grad")
         self.sends.drain()
         self._steps_run += 1
         if self.last:
             out.loss = float(loss_sum)
         return out
 
-    def _arm_ddp_sync(self, root: torch.Tensor) -> None:
+    def _arm_ddp_sync(self, root: torch.Tensor, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Make the coming backward all-reduce the accumulated gradients, and mark its sync point."""
-        assert self.ddp is not None
-        self.ddp.reducer.prepare_for_backward([])
+        ddp.reducer.prepare_for_backward([])
         if not self.instrument.enabled:
             return
         instr = self.instrument

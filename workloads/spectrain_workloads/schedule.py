@@ -1,10 +1,14 @@
 """Pipeline schedules as explicit per-stage action lists, with their bubble slots known in advance.
 
-A schedule gives each stage its compute order (F(i) = forward of microbatch i, B(i) = backward).
-Simulating it with per-action durations (tf, tb) yields, per stage, the idle gap before every
-action. The *slots* (positions of the non-zero gaps) are structural: they are computed once with
+A schedule gives each stage (rank of the pipeline) its compute order (F(i) = forward of
+microbatch i, B(i) = backward). Under Interleaved1F1B a rank holds v model chunks and an action
+also names its chunk: chunk c of rank r is virtual stage j = c * p + r (the layers are cut into
+p * v slices, so the activations go round the ranks v times). Simulating the orders with
+per-action durations (tf, tb: one stage's, or under interleaving one chunk's, F and B) yields, per
+stage, the idle gap before every action. The *slots* (positions of the non-zero gaps) are structural: they are computed once with
 tf = 1, tb = 2 and inserted into the action list as BUBBLE actions, so a stage knows before the
-step where it will wait. The *predicted length* of each slot comes from the same simulation with
+step where it will wait. (Interleaved1F1B: the union of the positions over tb/tf from 0.5 to 4,
+as some of its gaps move with the ratio; a slot that is not idle at the measured ratio predicts 0.) The *predicted length* of each slot comes from the same simulation with
 the measured EMA of tf and tb (instrument.py), published to the ring before the wait begins.
 
 Step boundary: the stages are not synchronised between steps, so stage s's trailing idle time of
@@ -13,7 +17,9 @@ step n (waiting for stage 0 to finish its last backward) merges with its leading
 leading + trailing, except on the first step a process runs (leading only).
 
 With equal stage times both GPipe and 1F1B idle (p-1)(tf+tb) per stage per step: the bubble
-fraction (p-1)/(m+p-1).
+fraction (p-1)/(m+p-1). Interleaved1F1B (Megatron-LM's schedule; m a multiple of p) idles the
+same (p-1)(tf+tb) in chunk units, i.e. 1/v of a stage's, against v*m(tf+tb) of compute: the bubble
+fraction (p-1)/(v*m+p-1), whatever tf/tb (the unit tests check both against `simulate`).
 
 Pure Python; no torch.
 """
@@ -21,12 +27,18 @@ Pure Python; no torch.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 from spectrain_workloads.errors import ConfigError
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+INTERLEAVED = "Interleaved1F1B"
+INTERLEAVED_CHUNKS = 2   # model chunks (virtual stages) per rank; API.md has no field for it
 _STRUCT_TF, _STRUCT_TB = 1.0, 2.0
+# Interleaved1F1B idles at different positions for different tb/tf (GPipe and 1F1B do not): its slots
+# are where the simulation idles for any of these ratios (a slot can then predict 0 at the measured one).
+_STRUCT_TB_RATIOS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0)
 _EPS = 1e-9
 
 
@@ -41,13 +53,15 @@ class Action:
     op: Op
     mb: int = -1     # microbatch (F/B)
     slot: int = -1   # index of the bubble slot within the step (BUBBLE)
+    chunk: int = 0   # model chunk of the rank (F/B; Interleaved1F1B), virtual stage chunk * p + rank
 
     def __repr__(self) -> str:
-        return f"{self.op.value}{self.mb if self.op is not Op.BUBBLE else self.slot}"
+        base = f"{self.op.value}{self.mb if self.op is not Op.BUBBLE else self.slot}"
+        return f"{base}c{self.chunk}" if self.chunk else base
 
 
-def compute_order(name: str, p: int, m: int, stage: int) -> list[Action]:
-    """F/B order of one stage (no bubbles)."""
+def compute_order(name: str, p: int, m: int, stage: int, chunks: int = 1) -> list[Action]:
+    """F/B order of one stage (no bubbles); `chunks`: model chunks per rank (Interleaved1F1B only)."""
     if name == "GPipe":
         return [Action(Op.F, i) for i in range(m)] + [Action(Op.B, i) for i in range(m)]
     if name == "1F1B":
@@ -57,10 +71,32 @@ def compute_order(name: str, p: int, m: int, stage: int) -> list[Action]:
             out += [Action(Op.F, warm + i), Action(Op.B, i)]
         out += [Action(Op.B, i) for i in range(m - warm, m)]
         return out
-    if name == "Interleaved1F1B":
-        raise ConfigError("spec.target.parallelism.schedule Interleaved1F1B is not implemented by this trainer "
-                          "yet; use GPipe or 1F1B")
+    if name == INTERLEAVED:
+        return _interleaved_order(p, m, stage, chunks)
     raise ConfigError(f"spec.target.parallelism.schedule {name!r} is unknown; use one of {list(SCHEDULES)}")
+
+
+def _interleaved_order(p: int, m: int, stage: int, v: int) -> list[Action]:
+    """Megatron-LM's interleaved 1F1B for rank `stage` (m a multiple of p).
+
+    The rank's k-th forward (k < v*m) is microbatch (k // (p*v)) * p + k % p of chunk (k // p) % v:
+    groups of p microbatches go through chunk 0, then the same group through chunk 1, ... Its k-th
+    backward is the same microbatch in reverse chunk order (chunk v-1 - (k // p) % v). Warm-up:
+    2 (p - rank - 1) + (v - 1) p forwards (all of them when m == p), then one F one B, then the
+    remaining backwards.
+    """
+    total = v * m
+
+    def f(k: int, backward: bool) -> Action:
+        c = (k // p) % v
+        return Action(Op.B if backward else Op.F, (k // (p * v)) * p + k % p, chunk=v - 1 - c if backward else c)
+
+    warm = total if m == p else min(2 * (p - stage - 1) + (v - 1) * p, total)
+    out = [f(k, False) for k in range(warm)]
+    for k in range(total - warm):
+        out += [f(warm + k, False), f(k, True)]
+    out += [f(k, True) for k in range(total - warm, total)]
+    return out
 
 
 @dataclass
@@ -75,11 +111,13 @@ class Timeline:
 
 
 def simulate(orders: list[list[Action]], tf: float, tb: float) -> Timeline:
-    """Event simulation: in-order per stage; F(s,i) after F(s-1,i); B(s,i) after B(s+1,i) and F(s,i)."""
+    """Event simulation over virtual stages j = chunk * p + stage (j = stage without chunks):
+    in-order per stage; F(j,i) after F(j-1,i); B(j,i) after B(j+1,i) and F(j,i)."""
     p = len(orders)
+    n_virtual = p * (1 + max((a.chunk for o in orders for a in o), default=0))
     starts: list[list[float]] = [[0.0] * len(o) for o in orders]
     ends: list[list[float]] = [[0.0] * len(o) for o in orders]
-    done: dict[tuple[Op, int, int], float] = {}   # (op, stage, mb) -> end
+    done: dict[tuple[Op, int, int], float] = {}   # (op, virtual stage, mb) -> end
     nxt = [0] * p
     free = [0.0] * p
     remaining = sum(len(o) for o in orders)
@@ -88,11 +126,12 @@ def simulate(orders: list[list[Action]], tf: float, tb: float) -> Timeline:
         for s in range(p):
             while nxt[s] < len(orders[s]):
                 a = orders[s][nxt[s]]
+                j = a.chunk * p + s
                 if a.op is Op.F:
-                    dep = done.get((Op.F, s - 1, a.mb)) if s > 0 else 0.0
+                    dep = done.get((Op.F, j - 1, a.mb)) if j > 0 else 0.0
                     dur = tf
                 else:
-                    dep = done.get((Op.B, s + 1, a.mb)) if s < p - 1 else done.get((Op.F, s, a.mb))
+                    dep = done.get((Op.B, j + 1, a.mb)) if j < n_virtual - 1 else done.get((Op.F, j, a.mb))
                     dur = tb
                 if dep is None:
                     break
@@ -100,7 +139,7 @@ def simulate(orders: list[list[Action]], tf: float, tb: float) -> Timeline:
                 k = nxt[s]
                 starts[s][k], ends[s][k] = start, start + dur
                 free[s] = start + dur
-                done[(a.op, s, a.mb)] = start + dur
+                done[(a.op, j, a.mb)] = start + dur
                 nxt[s] += 1
                 remaining -= 1
                 progressed = True
@@ -117,6 +156,7 @@ class Schedule:
     name: str
     n_stages: int
     microbatches: int
+    chunks: int = 0   # model chunks per rank; 0: the schedule's own (INTERLEAVED_CHUNKS, else 1)
 
     def __post_init__(self) -> None:
         if self.n_stages < 1:
@@ -127,19 +167,49 @@ class Schedule:
             raise ConfigError(
                 f"spec.target.parallelism.microbatches ({self.microbatches}) must be >= pipeline "
                 f"({self.n_stages}) when pipeline > 1")
-        compute_order(self.name, self.n_stages, self.microbatches, 0)   # validates the name
+        if self.name == INTERLEAVED:
+            object.__setattr__(self, "chunks", self.chunks or INTERLEAVED_CHUNKS)
+            if self.chunks < 2:
+                raise ConfigError(f"{INTERLEAVED} needs at least 2 model chunks per rank, got {self.chunks}")
+            if self.n_stages < 2:
+                raise ConfigError(
+                    f"spec.target.parallelism.schedule {INTERLEAVED} interleaves model chunks across pipeline "
+                    f"ranks, so spec.target.parallelism.pipeline must be >= 2 (got {self.n_stages}); use 1F1B "
+                    "for pipeline 1")
+            if self.microbatches % self.n_stages:
+                raise ConfigError(
+                    f"spec.target.parallelism.microbatches ({self.microbatches}) must be a multiple of pipeline "
+                    f"({self.n_stages}) with schedule {INTERLEAVED} (microbatches go round the ranks in groups "
+                    f"of pipeline); use e.g. {self.n_stages * -(-self.microbatches // self.n_stages)}")
+        else:
+            object.__setattr__(self, "chunks", self.chunks or 1)
+            if self.chunks != 1:
+                raise ConfigError(f"schedule {self.name} runs one model chunk per rank, got chunks={self.chunks}")
+        compute_order(self.name, self.n_stages, self.microbatches, 0, self.chunks)   # validates the name
 
     @property
     def orders(self) -> list[list[Action]]:
-        return [compute_order(self.name, self.n_stages, self.microbatches, s) for s in range(self.n_stages)]
+        return [compute_order(self.name, self.n_stages, self.microbatches, s, self.chunks)
+                for s in range(self.n_stages)]
 
     def _structure(self) -> Timeline:
         return simulate(self.orders, _STRUCT_TF, _STRUCT_TB)
 
     def bubble_positions(self, stage: int) -> list[int]:
         """Indices into the stage's compute order before which the stage idles."""
+        if self.chunks > 1:
+            return list(self._interleaved_positions[stage])
         tl = self._structure()
         return [k for k, g in enumerate(tl.gaps[stage]) if g > _EPS or (k == 0 and tl.trailing[stage] > _EPS)]
+
+    @functools.cached_property
+    def _interleaved_positions(self) -> list[list[int]]:
+        pos: list[set[int]] = [set() for _ in range(self.n_stages)]
+        for ratio in _STRUCT_TB_RATIOS:
+            tl = simulate(self.orders, _STRUCT_TF, _STRUCT_TF * ratio)
+            for s in range(self.n_stages):
+                pos[s] |= {k for k, g in enumerate(tl.gaps[s]) if g > _EPS or (k == 0 and tl.trailing[s] > _EPS)}
+        return [sorted(x) for x in pos]
 
     def stage_actions(self, stage: int) -> list[Action]:
         """The stage's action list: compute order with BUBBLE slots before the actions that wait."""
@@ -166,9 +236,14 @@ class Schedule:
         return preds
 
     def formula_bubble_fraction(self) -> float:
-        p, m = self.n_stages, self.microbatches
-        return (p - 1) / (m + p - 1)
+        """Idle share of each stage's step: (p-1)/(v*m+p-1), v = chunks per rank (1: GPipe, 1F1B)."""
+        p, m, v = self.n_stages, self.microbatches, self.chunks
+        return (p - 1) / (v * m + p - 1)
 
     def last_backward(self, stage: int) -> int:
         """Microbatch whose backward comes last on `stage` (where the data-parallel sync is armed)."""
         return [a.mb for a in self.orders[stage] if a.op is Op.B][-1]
+
+    def last_backwards(self, stage: int) -> dict[int, int]:
+        """Per chunk of `stage`, the microbatch of its last backward (each chunk's DDP sync point)."""
+        return {a.chunk: a.mb for a in self.orders[stage] if a.op is Op.B}

@@ -3,8 +3,11 @@
 Rank layout: global rank r is stage `r % pipeline` of replica `r // pipeline` (pipeline
 neighbours are adjacent ranks, so a node's local ranks hold consecutive stages). Every stage
 builds `Transformer.stage(cfg, k, P)` and `init_weights(seed)`, so the pipelined model is the
-single-process model cut into slices. Gradient accumulation over microbatches, one optimizer
-step per step; DDP (gloo on CPU, nccl on CUDA) averages gradients across replicas per stage.
+single-process model cut into slices. Under Interleaved1F1B stage k builds v chunks, the virtual
+stages `Transformer.stage(cfg, c * P + k, P * v)` for c < v (each its own DDP; one optimizer and
+one checkpoint per rank over all of them, as an `nn.ModuleList`). Gradient accumulation over
+microbatches, one optimizer step per step; DDP (gloo on CPU, nccl on CUDA) averages gradients
+across replicas per stage.
 
 Per step: `StageExecutor.run` (pipeline.py), optimizer step, the loss travels from the last stage
 of replica 0 to rank 0 (progress), metrics, and every `checkpoint.everySteps` a checkpoint plus
@@ -36,7 +39,7 @@ from spectrain_workloads.instrument import Instrument, InstrumentOptions
 from spectrain_workloads.metrics import MetricsWriter
 from spectrain_workloads.model import ModelConfig, Transformer, model_config
 from spectrain_workloads.pipeline import StageExecutor, make_comm_hook
-from spectrain_workloads.schedule import Schedule
+from spectrain_workloads.schedule import INTERLEAVED, Schedule
 from spectrain_workloads.shutdown import EXIT_TERMINATED, Terminator
 from spectrain_workloads.tokenizer import ByteTokenizer
 
@@ -149,6 +152,14 @@ def make_plan(cfg: JobConfig, world: int) -> Plan:
             f"spec.target.parallelism.pipeline ({par.pipeline}) must divide the model's n_layers ({mcfg.n_layers}, "
             f"preset {t.model.preset!r}); pick a divisor or set target.model.overrides.n_layers")
     schedule = Schedule(name=par.schedule, n_stages=par.pipeline, microbatches=par.microbatches)
+    if schedule.name == INTERLEAVED and mcfg.n_layers % (par.pipeline * schedule.chunks):
+        v = schedule.chunks
+        raise ConfigError(
+            f"spec.target.parallelism.schedule {INTERLEAVED} splits each of the pipeline ({par.pipeline}) ranks "
+            f"into {v} model chunks, so pipeline x {v} = {par.pipeline * v} must divide the model's n_layers "
+            f"({mcfg.n_layers}, spec.target.model.preset {t.model.preset!r}); set "
+            f"spec.target.model.overrides.n_layers to a multiple of {par.pipeline * v}, lower "
+            "spec.target.parallelism.pipeline, or use schedule 1F1B")
     if t.data.batch_size % par.microbatches:
         raise ConfigError(f"spec.target.data.batchSize ({t.data.batch_size}) must be a multiple of "
                           f"spec.target.parallelism.microbatches ({par.microbatches})")
@@ -213,9 +224,15 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
             dp_group = g
     if P > 1:
         fwd_group, bwd_group = dist.new_group(list(range(rank.world))), dist.new_group(list(range(rank.world)))
+    fwd_wrap = bwd_wrap = None
+    if P > 1 and plan.schedule.chunks > 1:   # interleaved: the ring's wrap-around link gets its own groups
+        fwd_wrap, bwd_wrap = dist.new_group(list(range(rank.world))), dist.new_group(list(range(rank.world)))
 
-    module = Transformer.stage(plan.model, stage, P)
-    module.init_weights(cfg.seed)
+    V = plan.schedule.chunks                       # model chunks per rank (Interleaved1F1B: > 1)
+    chunks = [Transformer.stage(plan.model, c * P + stage, P * V) for c in range(V)]
+    for chunk in chunks:
+        chunk.init_weights(cfg.seed)
+    module: torch.nn.Module = chunks[0] if V == 1 else torch.nn.ModuleList(chunks)
     module.to(device)
     from spectrain_workloads.optim import build_optimizer
 
@@ -245,16 +262,24 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
         from spectrain_workloads.publisher import DataPublisher
 
         publisher = DataPublisher(producer, fraction=opts.publish_fraction, stage=stage, lock=ring_lock)
-    stage_mod: torch.nn.Module = module
+    stage_mods: list[torch.nn.Module] = list(chunks)
     if dp_group is not None:
-        stage_mod = torch.nn.parallel.DistributedDataParallel(
-            module, process_group=dp_group, forward_sync_buffers=False, bucket_cap_mb=opts.bucket_cap_mb,
-            device_ids=[device.index] if device.type == "cuda" else None)
-        stage_mod.register_comm_hook(dp_group, make_comm_hook(instr))
+        for c, chunk in enumerate(chunks):
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                chunk, process_group=dp_group, forward_sync_buffers=False, bucket_cap_mb=opts.bucket_cap_mb,
+                device_ids=[device.index] if device.type == "cuda" else None)
+            ddp.register_comm_hook(dp_group, make_comm_hook(instr, "dp-bucket-" if V == 1 else f"dp-bucket-c{c}-"))
+            stage_mods[c] = ddp
+    if V == 1:
+        prev_rank = rank.rank - 1 if stage > 0 else None
+        next_rank = rank.rank + 1 if not last else None
+    else:   # neighbours in the ring of this replica's stages: chunks go round it
+        prev_rank, next_rank = replica * P + (stage - 1) % P, replica * P + (stage + 1) % P
     executor = StageExecutor(
-        module=stage_mod, schedule=plan.schedule, stage=stage, instrument=instr,
-        prev_rank=rank.rank - 1 if stage > 0 else None, next_rank=rank.rank + 1 if not last else None,
-        fwd_group=fwd_group, bwd_group=bwd_group, dim=plan.model.dim, device=device,
+        module=stage_mods[0] if V == 1 else stage_mods, schedule=plan.schedule, stage=stage, instrument=instr,
+        prev_rank=prev_rank, next_rank=next_rank,
+        fwd_group=fwd_group, bwd_group=bwd_group, fwd_wrap_group=fwd_wrap, bwd_wrap_group=bwd_wrap,
+        dim=plan.model.dim, device=device,
         on_hidden=publisher.submit if publisher is not None else None)
 
     boundary = {"step": start, "rng": rng_state()}
@@ -265,9 +290,10 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
                 "stage": stage, "replica": replica}
 
     def write_shared() -> None:
+        head, tail = chunks[0], chunks[-1]    # embedding: virtual stage 0; LM head: the last one
         save_shared(opts.run_dir,
-                    embedding=module.tok_embeddings.weight if module.tok_embeddings is not None else None,
-                    lm_head=module.output.weight if module.output is not None else None,
+                    embedding=head.tok_embeddings.weight if head.tok_embeddings is not None else None,
+                    lm_head=tail.output.weight if tail.output is not None else None,
                     model_config=plan.model.to_dict() if last else None)
 
     def save(step: int) -> None:
