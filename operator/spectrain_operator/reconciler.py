@@ -133,8 +133,8 @@ class Reconciler:
         """Reconcile the job now, or make the pass running for it run once more.
 
         `fresh`: the job as its ADDED watch event carried it. Nothing can have written to a job
-        the operator has only just heard of, so the first pass of this call may use it instead
-        of reading the job again; passes that follow always read it.
+        the operator has only just heard of, nor created its pods, so the first pass of this call
+        uses it instead of reading the job and listing its pods; passes that follow read both.
         """
         slot = self._slot((namespace, name))
         slot.dirty = True
@@ -237,7 +237,10 @@ class Reconciler:
         if errors:
             return self._finish_invalid(job, errors)
         now = self.clock()
-        pods = self.kube.list_pods(namespace, builders.selector(job))
+        # A job the operator has only just heard of (its ADDED event) has no pods yet: only a pass
+        # creates them. (The apiserver serves this list from etcd, decoding every pod of the
+        # namespace: for a burst of new jobs, the most expensive request of their first pass.)
+        pods = [] if fresh is not None else self.kube.list_pods(namespace, builders.selector(job))
         plan = statusmod.decide(job, pods, now)
         self._track_admission(job, pods, plan)
         if plan.create_nodes:

@@ -278,13 +278,20 @@ def test_a_new_job_s_first_pass_uses_its_event_body_and_later_passes_read_it() -
         reads.append(name)
         return real_get(namespace, name)
 
+    real_list = kube.list_pods
+
+    def counting_list(namespace: str, selector: str) -> list[Obj]:
+        reads.append("pods")
+        return real_list(namespace, selector)
+
     kube.get_job = counting_get  # type: ignore[method-assign]
+    kube.list_pods = counting_list  # type: ignore[method-assign]
     r = Reconciler(kube)  # type: ignore[arg-type]
     try:
         r.trigger(NS, "k", fresh=job())
-        assert reads == [] and len(kube.creates) == 7   # created from the ADDED body, no GET
+        assert reads == [] and len(kube.creates) == 7   # created from the ADDED body: no GET, no pod list
         r.trigger(NS, "k")
-        assert reads == ["k"]
+        assert reads == ["k", "pods"]
         assert len(kube.creates) == 7                    # nothing twice
     finally:
         r.close()
