@@ -13,7 +13,7 @@ tests/conftest.py skips them with that reason. Needs:
   which must then watch the test namespace (all namespaces, the chart's default).
 
 The CRD from crds/ is applied (created or replaced) before the tests; the namespace is deleted
-afterwards (its jobs first, so that a running operator releases its finalizers).
+afterwards (its jobs first, while the operator still runs).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EEnv]:
                                                            job["metadata"]["name"])
             wait_for(lambda: not env.custom.list_namespaced_custom_object(
                 "spectrain.io", "v1alpha1", ns, "spectrainjobs")["items"], 60, interval=0.5,
-                what="the test jobs deleted (the operator releases its finalizers)")
+                what="the test jobs deleted")
         finally:
             op.stop()
             core.delete_namespace(ns)
