@@ -186,9 +186,9 @@ class Run:
                 return None
             raise
 
-    def create_job(self, name: str, **spec: Any) -> None:
+    def create_job(self, name: str, finalizers: list[str] | None = None, **spec: Any) -> None:
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SpecTrainJob",
-                "metadata": {"name": name, "namespace": self.ns},
+                "metadata": {"name": name, "namespace": self.ns, **({"finalizers": finalizers} if finalizers else {})},
                 "spec": {"target": {"image": "example.org/spectrain/workloads:0.1.0", "nodes": 1,
                                     "procsPerNode": 1, "parallelism": {"data": 1, "pipeline": 1}},
                          "runPolicy": {"maxRestarts": 2, "backoffSeconds": 0}}}
@@ -284,11 +284,20 @@ def scenario_delete(r: Run) -> None:
     r.expect(lambda: r.job(name) is None, "the deleted job to disappear")
 
 
+def scenario_upgrade(r: Run) -> None:
+    """A job from an operator version that ran kopf timers carries kopf's finalizer; nothing needs
+    it any more, so kopf removes it and the job stays deletable without an operator."""
+    name = "old"
+    r.create_job(name, finalizers=["kopf.zalando.org/KopfFinalizerMarker"])
+    r.expect(lambda: r.pods(name), "the job's pods")
+    r.expect(lambda: not (r.job(name) or {}).get("metadata", {}).get("finalizers"), "kopf's old finalizer removed")
+
+
 def startup(r: Run) -> None:
     r.expect(r.op.healthy, "the operator's /healthz", timeout=30)
 
 
-SCENARIOS = [scenario_lifecycle, scenario_suspend, scenario_missing_claim, scenario_delete]
+SCENARIOS = [scenario_lifecycle, scenario_suspend, scenario_missing_claim, scenario_delete, scenario_upgrade]
 
 
 def run_scenarios(env: Env, label: str, ns: str | None = None) -> tuple[str | None, float]:

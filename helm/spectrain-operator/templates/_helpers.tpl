@@ -62,12 +62,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/* The operator's rules on namespaced resources (a ClusterRole cluster-wide, a Role per watched namespace). */}}
 {{- define "spectrain-operator.namespacedRules" -}}
-# SpecTrainJobs: listed and watched by kopf (event handlers only: no finalizer, no annotations);
-# the reconciler reads one fresh per pass, deletes it after ttlSecondsAfterFinished and writes
-# the status subresource. Never created, never patched.
+# SpecTrainJobs: listed and watched by kopf (event handlers only: it adds no finalizer and no
+# annotations; `patch` lets it remove the finalizer that operator versions with kopf timers put on
+# older jobs); the reconciler reads one fresh per pass, deletes it after ttlSecondsAfterFinished
+# and writes the status subresource. Never created.
 - apiGroups: ["spectrain.io"]
   resources: ["spectrainjobs"]
-  verbs: ["get", "list", "watch", "delete"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: ["spectrain.io"]
   resources: ["spectrainjobs/status"]
   verbs: ["patch"]
