@@ -1,14 +1,26 @@
 """bench-target: cost and accuracy of the target's idle-window instrumentation.
 
 Keys (BENCHMARKS.md): instrumentation_overhead_ratio (median step time instrumented / not, runs
-interleaved on/off), bubble_fraction_measured / bubble_fraction_formula (p=2, m=4; also per (p, m)
+interleaved on/off), instrumentation_cost_fraction (time inside the instrumentation calls / step
+time, a noise-free complement of the ratio), bubble_fraction_measured / bubble_fraction_formula (p=2, m=4; also per (p, m)
 in {(2,4), (4,8)} as bubble_fraction_measured_p<p>_m<m>), pred_error_median_bubble,
 pred_error_median_comm (median |predicted - actual| / actual; comm over DDP buckets and pipeline
 send/recv, also split per channel family).
 
 Each run is real processes (launch_local, gloo, debug preset, 1 torch thread per rank).
-instrumentation_overhead_ratio: `reps` interleaved (on, off) pairs of runs; per pair the ratio of
-median step times (a step's time is its slowest rank's), then the median over pairs.
+instrumentation_overhead_ratio: `blocks` ABBA blocks of runs (on, off, off, on; the next block
+off, on, on, off), so that a load drifting linearly over a block cancels out; per block the ratio of
+the geometric means of the runs' median step times (a step's time is its slowest rank's), then the
+median over blocks (_p10: the same with each run's 10th percentile step time instead of its median,
+less sensitive to other processes' bursts on a shared machine). instrumentation_cost_fraction: the
+"on" runs set SPECTRAIN_INSTRUMENT_COST_FILE, so each rank sums the CPU time (thread_time) its
+threads spend inside the Instrument's entry points (window open/close with their predictions and
+ring writes, compute EMA, sync points, the watchdog's Imbalance opening) per step (instrument.py);
+per run the largest rank's sum over the measured steps / the sum of the step times, then the median
+over runs (_wall: perf_counter time instead, which also counts waiting for a lock, the GIL or a CPU
+inside a call). It includes the accounting's own clock reads (a few us per call) and leaves out
+what the trainer does for the windows outside those calls (the send-waiter thread's queue
+hand-off, MetricsWriter's JSON lines of closed windows between steps).
 Measured bubble fraction per stage = Bubble windows' actual time / the time the stage spent in
 the pipeline schedule (the executor's span per step, `pipeline_ms`: the optimizer step, loss
 hand-over and metrics between steps are not part of what the formula describes), averaged over
@@ -24,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import median, parse_args, print_table, write_results
+from bench.common import median, parse_args, percentile, print_table, write_results
 from spectrain_workloads.launch import launch_local, wait_all
 
 WARMUP = 2
@@ -75,6 +87,17 @@ def _bubble_fraction(root: Path, p: int) -> float:
     return statistics.mean(fr)
 
 
+def _cost_fraction(root: Path, world: int, kind: str) -> float:
+    """Largest rank's time (kind: cpu or wall) inside instrumentation calls over the measured steps /
+    the sum of their step times."""
+    total = sum(_step_times(root, world))
+    costs = []
+    for r in range(world):
+        per_step = json.loads((root / f"cost-rank-{r}.json").read_text())[f"per_step_{kind}_ns"]
+        costs.append(sum(v for k, v in per_step.items() if int(k) >= WARMUP) / 1e9)
+    return max(costs) / total
+
+
 def _errors(ws: list[dict[str, Any]], kind: str, prefix: str = "") -> list[float]:
     return [abs(w["predicted_ns"] - w["actual_ns"]) / w["actual_ns"] for w in ws
             if w["kind"] == kind and w["predicted_ns"] > 0 and w["actual_ns"] > 0
@@ -83,24 +106,40 @@ def _errors(ws: list[dict[str, Any]], kind: str, prefix: str = "") -> list[float
 
 def main() -> None:
     args = parse_args(__doc__ or "")
-    steps, reps, seq = (12, 2, 128) if args.quick else (40, 5, 128)
+    steps, blocks, seq = (12, 1, 128) if args.quick else (40, 3, 128)
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-target-") as tmp:
         base = Path(tmp)
         cfg24 = _config(base / "p2m4.json", data=1, pipeline=2, microbatches=4, steps=steps, seq_len=seq)
-        on_runs, on_t, off_t, ratios = [], [], [], []
-        for i in range(reps):   # interleaved on/off pairs, alternating which goes first
-            order = [("on", "1"), ("off", "0")] if i % 2 == 0 else [("off", "0"), ("on", "1")]
-            times = {}
-            for name, flag in order:
-                r = _run(base / f"{name}-{i}", cfg24, 2, {"SPECTRAIN_INSTRUMENT": flag})
-                times[name] = _step_times(r, 2)
+        on_runs, on_t, off_t, ratios, ratios_p10, costs, costs_wall = [], [], [], [], [], [], []
+        for i in range(blocks):   # ABBA: on off off on, then off on on off
+            order = ["on", "off", "off", "on"] if i % 2 == 0 else ["off", "on", "on", "off"]
+            meds: dict[str, list[float]] = {"on": [], "off": []}
+            lows: dict[str, list[float]] = {"on": [], "off": []}
+            for j, name in enumerate(order):
+                root = base / f"{name}-{i}-{j}"
+                env = {"SPECTRAIN_INSTRUMENT": "1" if name == "on" else "0"}
+                if name == "on":
+                    env["SPECTRAIN_INSTRUMENT_COST_FILE"] = str(root / "cost")
+                r = _run(root, cfg24, 2, env)
+                times = _step_times(r, 2)
+                meds[name].append(median(times))
+                lows[name].append(percentile(times, 10))
                 if name == "on":
                     on_runs.append(r)
-            on_t += times["on"]
-            off_t += times["off"]
-            ratios.append(median(times["on"]) / median(times["off"]))
+                    on_t += times
+                    costs.append(_cost_fraction(r, 2, "cpu"))
+                    costs_wall.append(_cost_fraction(r, 2, "wall"))
+                else:
+                    off_t += times
+            ratios.append(statistics.geometric_mean(meds["on"]) / statistics.geometric_mean(meds["off"]))
+            ratios_p10.append(statistics.geometric_mean(lows["on"]) / statistics.geometric_mean(lows["off"]))
         res["instrumentation_overhead_ratio"] = median(ratios)
+        res["instrumentation_overhead_ratios"] = [round(x, 4) for x in ratios]
+        res["instrumentation_overhead_ratio_p10"] = median(ratios_p10)
+        res["instrumentation_cost_fraction"] = median(costs)
+        res["instrumentation_cost_fraction_max"] = max(costs)
+        res["instrumentation_cost_fraction_wall"] = median(costs_wall)
         res["instrumentation_overhead_ratio_min"] = min(ratios)
         res["instrumentation_overhead_ratio_max"] = max(ratios)
         res["bubble_fraction_measured_p2_m4"] = statistics.mean(_bubble_fraction(r, 2) for r in on_runs)

@@ -6,11 +6,17 @@
   times (`record_compute`), times a per-slot correction: the median of recent actual / simulated for that
   slot. A stage only measures its own F/B, but its bubbles are the other stages' compute (the
   last stage's LM head and loss make it slower than the rest, for one); the correction learns
-  that per slot, while the simulation still follows changes of F/B times at once.
+  that per slot, while the simulation still follows changes of F/B times at once. Per slot, the
+  prediction switches to the median of the slot's recent actual lengths while that has had the
+  lower median relative error over the slot's recent bubbles (`prefer_second`): on a shared CPU the
+  stage's own F/B jitter, which the simulation follows, says little about the peer's compute that
+  the bubble waits for.
 - Communication: opened when a collective is launched (DDP bucket all-reduce in the comm hook,
   pipeline isend, a pipeline receive the stage has to wait for), closed on completion. Predicted
-  as the median of the recent durations of the same (channel, bytes, position) (position: the microbatch
-  of a pipeline transfer, so a receive that regularly waits for a slower peer predicts that wait);
+  from the recent durations of the same (channel, bytes, position) (position: the microbatch
+  of a pipeline transfer, so a receive that regularly waits for a slower peer predicts that wait),
+  by `min_relative_error_center` (the centre of the tightest half of them, below the median for
+  these right-skewed durations);
   a key never seen is predicted from the channel's (one per direction) latency + bytes / bandwidth
   fit, and from `default_bytes_per_ns` before the channel has any sample. DDP bucket all-reduces
   are anchored instead (`comm_open(anchor="dp")`): an all-reduce ends when the slowest replica
@@ -18,6 +24,9 @@
   one's launch of k), so its duration is the peer's remaining backward, not bytes / bandwidth. The
   step's first bucket launch is the anchor; bucket k is predicted to end at anchor + the median of
   its recent (end - anchor), at least its shortest recent duration (the link alone, peer already there).
+  Once a bucket of the step has completed, the peer's lag in this step is known (that bucket's end -
+  its link time - its launch, `peer_lag_ns`), and the buckets launched after that are predicted as
+  max(lag, 0) + their own link time (`lagged_prediction_ns`).
 - Imbalance: reactive and open-ended (predicted 0). Waiting is told from communicating by local
   timestamps only, no extra collective: when a rank reaches a sync point (its compute for the step
   is done, or it needs a tensor a peer has not sent), the transfers it still waits for are
@@ -30,6 +39,10 @@
   a shared CPU, sub-millisecond transfers have a heavy tail of scheduling delays that would pull
   a mean (and so the typical window's prediction) far off.
 
+Cost accounting (`InstrumentOptions.cost_path`, env SPECTRAIN_INSTRUMENT_COST_FILE; bench-target's
+instrumentation_cost_fraction): the entry points are wrapped on the instance to sum wall and thread
+CPU time per step; unset, nothing is wrapped.
+
 Everything here only reads clocks and writes the ring / metrics: it never touches tensors, so
 training with instrumentation on and off is bitwise identical. `enabled=False` turns every call
 into a cheap no-op (returns None).
@@ -40,12 +53,16 @@ Thread safety: windows are opened/closed from the training thread, the gloo comp
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 BUBBLE, COMMUNICATION, IMBALANCE = "Bubble", "Communication", "Imbalance"
@@ -60,6 +77,10 @@ class InstrumentOptions:
     default_bytes_per_ns: float = 1.0      # 1 GB/s until a channel has been measured
     default_latency_ns: int = 50_000       # per-message latency until a channel has been measured
     history: int = 8                       # recent samples per bubble slot / transfer key (medians)
+    # Instrumentation cost accounting (bench-target's instrumentation_cost_fraction): when set, the
+    # time spent inside this class's entry points (wall: perf_counter, CPU: thread_time) is summed per
+    # step and written to <cost_path>-rank-<r>.json by close(). Unset (the default), nothing is wrapped.
+    cost_path: str = field(default_factory=lambda: os.environ.get("SPECTRAIN_INSTRUMENT_COST_FILE", ""))
 
 
 @dataclass
@@ -78,6 +99,8 @@ class Window:
     learn: bool = True      # Bubble: feed the per-slot correction on close
     pos: int = -1           # Communication: position (pipeline microbatch), part of the EMA key
     anchor_ns: int = 0      # Communication: the anchor of its group in this step (0: none)
+    group: str = ""         # Communication: the anchor group ("dp": the DDP buckets of a step)
+    alt: tuple[float, float] = (0.0, 0.0)   # Bubble: (simulated x correction, slot history) predictions
 
 
 class Instrument:
@@ -101,14 +124,72 @@ class Instrument:
         self._anchor: dict[str, tuple[int, int]] = {}        # anchor group -> (step, first launch ns)
         self._rel_end: dict[tuple[str, int], deque[float]] = {}   # (channel, bytes) -> recent end - anchor
         self._slot_ratio: dict[int, deque[float]] = {}      # bubble slot -> recent actual / simulated
-        self._slot_actual: dict[int, deque[float]] = {}     # bubble slot -> recent actual (no simulation yet)
+        self._slot_actual: dict[int, deque[float]] = {}     # bubble slot -> recent actual
+        # bubble slot -> recent relative errors of (simulated x correction, slot history)
+        self._slot_err: dict[int, tuple[deque[float], deque[float]]] = {}
+        self._lag: dict[str, tuple[int, float]] = {}        # anchor group -> (step, peer lag ns in that step)
         self._outstanding: dict[int, Window] = {}     # open comm windows by local id
         self._imb_epoch = 0
         self._imbalance: Window | None = None
         self._watch: _Watchdog | None = None
+        # cost_path set only: step -> (wall ns, this thread's CPU ns) inside the instrumentation calls
+        self._cost_ns: dict[int, list[int]] = {}
+        self._cost_by_call: dict[str, list[int]] = {}   # entry point -> [calls, wall ns, CPU ns]
+        self._cost_calls = 0
+        if self.enabled and opts.cost_path:
+            self._wrap_for_cost()
         if self.enabled:
             self._watch = _Watchdog(self._fire_imbalance)
             self._watch.start()
+
+    # -- cost accounting (only with opts.cost_path) ---------------------------------------------
+    _COSTED = ("record_compute", "bubble_open", "bubble_close", "comm_open", "comm_close", "sync_begin",
+               "sync_end", "_fire_imbalance")
+
+    def _wrap_for_cost(self) -> None:
+        """Replace the entry points on this instance by timed wrappers (the class stays unwrapped).
+
+        Two sums per step: wall time (perf_counter: includes waiting for this class's lock, the GIL
+        or a CPU while inside a call, so it carries the machine's jitter) and the calling thread's
+        CPU time (thread_time: only the work itself). Calls come from the training thread, gloo's
+        completion thread, the send waiter and the watchdog, so the two sums are over all of them."""
+        cost_lock = threading.Lock()
+
+        def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    dt, dc = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
+                    with cost_lock:
+                        acc = self._cost_ns.setdefault(self.step, [0, 0])
+                        acc[0] += dt
+                        acc[1] += dc
+                        self._cost_calls += 1
+                        by = self._cost_by_call.setdefault(name, [0, 0, 0])
+                        by[0] += 1
+                        by[1] += dt
+                        by[2] += dc
+            return wrapper
+
+        for name in self._COSTED:
+            setattr(self, name, timed(name, getattr(self, name)))
+
+    def _write_cost(self) -> None:
+        if not self.enabled or not self.opts.cost_path:
+            return
+        path = Path(f"{self.opts.cost_path}-rank-{self.rank}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        steps = sorted(self._cost_ns.items())
+        path.write_text(json.dumps({"rank": self.rank, "stage": self.stage, "calls": self._cost_calls,
+                                    "total_wall_ns": sum(v[0] for _, v in steps),
+                                    "total_cpu_ns": sum(v[1] for _, v in steps),
+                                    "per_step_wall_ns": {str(k): v[0] for k, v in steps},
+                                    "per_step_cpu_ns": {str(k): v[1] for k, v in steps},
+                                    "by_call": {k: {"calls": v[0], "wall_ns": v[1], "cpu_ns": v[2]}
+                                                for k, v in sorted(self._cost_by_call.items())}}))
 
     # -- compute EMA ----------------------------------------------------------------------------
     def record_compute(self, op: str, ns: int) -> None:
@@ -150,19 +231,33 @@ class Instrument:
             if w.channel:
                 rec["channel"], rec["bytes"] = w.channel, w.nbytes
             if w.slot >= 0:
-                rec["slot"] = w.slot
+                rec["slot"], rec["simulated_ns"] = w.slot, int(w.base_ns)
+            if w.pos >= 0:
+                rec["pos"] = w.pos
         if self.sink is not None:
             self.sink(rec)
         return rec
 
     # -- bubble ---------------------------------------------------------------------------------
-    def predict_bubble_ns(self, simulated_ns: float, slot: int) -> int:
-        """Prediction of bubble `slot` from its simulated length (0: unknown) and its history."""
+    def _bubble_candidates(self, simulated_ns: float, slot: int) -> tuple[float, float]:
+        """(simulated x per-slot correction, median of the slot's recent actuals); 0 where unknown."""
         with self._lock:
             ratios, actuals = self._slot_ratio.get(slot), self._slot_actual.get(slot)
-            if simulated_ns > 0:
-                return int(simulated_ns * (statistics.median(ratios) if ratios else 1.0))
-            return int(statistics.median(actuals)) if actuals else 0
+            sim = simulated_ns * (statistics.median(ratios) if ratios else 1.0) if simulated_ns > 0 else 0.0
+            hist = float(statistics.median(actuals)) if actuals else 0.0
+        return sim, hist
+
+    def _choose_bubble(self, slot: int, sim: float, hist: float) -> int:
+        with self._lock:
+            errs = self._slot_err.get(slot)
+            use_hist = hist > 0 and (sim <= 0 or (errs is not None and prefer_second(errs[0], errs[1])))
+        return int(hist if use_hist else sim)
+
+    def predict_bubble_ns(self, simulated_ns: float, slot: int) -> int:
+        """Prediction of bubble `slot` from its simulated length (0: unknown) and its history: the
+        schedule simulation (times the slot's correction) unless the slot's plain history of actual
+        lengths has had the lower median relative error over the slot's recent bubbles."""
+        return self._choose_bubble(slot, *self._bubble_candidates(simulated_ns, slot))
 
     def bubble_open(self, predicted_ns: float, slot: int = -1, *, learn: bool = True) -> Window | None:
         """Open scheduled bubble `slot`; `predicted_ns` is the schedule's simulated length (0 until
@@ -170,8 +265,9 @@ class Instrument:
         one (the first step's leading bubble has no trailing part)."""
         if not self.enabled:
             return None
-        w = self._open(BUBBLE, self.predict_bubble_ns(predicted_ns, slot))
-        w.slot, w.base_ns, w.learn = slot, float(predicted_ns), learn
+        sim, hist = self._bubble_candidates(predicted_ns, slot)
+        w = self._open(BUBBLE, self._choose_bubble(slot, sim, hist))
+        w.slot, w.base_ns, w.learn, w.alt = slot, float(predicted_ns), learn, (sim, hist)
         return w
 
     def bubble_close(self, w: Window | None) -> None:
@@ -183,6 +279,11 @@ class Instrument:
             return
         n = self.opts.history
         with self._lock:
+            sim, hist = w.alt
+            if sim > 0 and hist > 0:
+                e_sim, e_hist = self._slot_err.setdefault(w.slot, (deque(maxlen=n), deque(maxlen=n)))
+                e_sim.append(abs(sim - actual) / actual)
+                e_hist.append(abs(hist - actual) / actual)
             self._slot_actual.setdefault(w.slot, deque(maxlen=n)).append(float(actual))
             if w.base_ns > 0:
                 self._slot_ratio.setdefault(w.slot, deque(maxlen=n)).append(min(max(actual / w.base_ns, 0.05), 20.0))
@@ -192,22 +293,29 @@ class Instrument:
         with self._lock:
             d = self._dur.get((channel, nbytes, pos))
             if d:
-                return max(1, int(statistics.median(d)))
+                return max(1, int(min_relative_error_center(d)))
             fit = self._fit.get(channel)
             if fit is not None and fit.ready:
                 return max(1, int(fit.predict(nbytes)))
         return max(1, int(self.opts.default_latency_ns + nbytes / self.opts.default_bytes_per_ns))
 
     def _predict_anchored_ns(self, channel: str, nbytes: int, group: str, now: int) -> tuple[int, int]:
-        """(anchor ns, prediction or 0) of a transfer whose end is tied to its group's anchor."""
+        """(anchor ns, prediction or 0) of a transfer whose end is tied to its group's anchor.
+
+        Once a transfer of the group has completed in this step, the peer's lag in this step is
+        known (`peer_lag_ns`) and the transfer is predicted as lag (if the peer is behind) + its
+        link time; before that, as anchor + the median of its recent end - anchor."""
         with self._lock:
             a = self._anchor.get(group)
             if a is None or a[0] != self.step:
                 a = self._anchor[group] = (self.step, now)
+            d = self._dur.get((channel, nbytes, -1))
+            lag = self._lag.get(group)
+            if lag is not None and lag[0] == self.step and d:
+                return a[1], lagged_prediction_ns(lag[1], min(d))
             rel = self._rel_end.get((channel, nbytes))
             if not rel:
                 return a[1], 0
-            d = self._dur.get((channel, nbytes, -1))
             floor = min(d) if d else 1.0
             return a[1], max(1, int(max(a[1] + statistics.median(rel) - now, floor)))
 
@@ -223,7 +331,7 @@ class Instrument:
         if pred <= 0:
             pred = self.predict_comm_ns(channel, nbytes, pos)
         w = self._open(COMMUNICATION, pred, channel=channel, nbytes=nbytes)
-        w.pos, w.anchor_ns = pos, anchor_ns
+        w.pos, w.anchor_ns, w.group = pos, anchor_ns, anchor
         with self._lock:
             self._outstanding[w.local_id] = w
         return w
@@ -242,6 +350,10 @@ class Instrument:
             with self._lock:
                 self._rel_end.setdefault((w.channel, w.nbytes), deque(maxlen=self.opts.history)).append(
                     float(w.start_ns + actual - w.anchor_ns))
+                d = self._dur.get((w.channel, w.nbytes, -1))
+                a = self._anchor.get(w.group)
+                if d and a is not None and a[0] == w.step:
+                    self._lag[w.group] = (w.step, peer_lag_ns(w.start_ns, w.start_ns + actual, min(d)))
         if contaminated or actual <= 0:
             return
         key = (w.channel, w.nbytes, w.pos)
@@ -293,6 +405,47 @@ class Instrument:
         for w in open_ws:
             self._close(w)
         self.sync_end()
+        self._write_cost()
+
+
+def min_relative_error_center(xs: Iterable[float]) -> float:
+    """A location that keeps the median relative error |p - x| / x over the samples small: the
+    shortest (in relative terms) run of half the sorted samples, [a, b], and p = 2ab / (a + b), the
+    point equally far from both ends relative to them ((p - a) / a = (b - p) / b). For the skewed
+    (long right tail) durations measured here it is the centre of the densest cluster of short
+    samples, typically below the median: what a median-relative-error metric rewards, and what a
+    mean or a median pulled up by the tail does not give. O(n log n); n is a short history."""
+    v = sorted(x for x in xs if x > 0)
+    n = len(v)
+    if n == 0:
+        return 0.0
+    k = (n + 1) // 2                  # samples the run must hold
+    best_i, best_w = 0, float("inf")
+    for i in range(n - k + 1):
+        a, b = v[i], v[i + k - 1]
+        w = (b - a) / (a + b)         # the relative error at both ends when p = 2ab / (a + b)
+        if w < best_w:
+            best_i, best_w = i, w
+    a, b = v[best_i], v[best_i + k - 1]
+    return 2 * a * b / (a + b)
+
+
+def prefer_second(errs_a: Iterable[float], errs_b: Iterable[float]) -> bool:
+    """Whether predictor b's recent relative errors have a lower median than a's (ties: keep a)."""
+    a, b = list(errs_a), list(errs_b)
+    return bool(a) and bool(b) and statistics.median(b) < statistics.median(a)
+
+
+def peer_lag_ns(launch_ns: int, end_ns: int, link_ns: float) -> float:
+    """How far the peer replica is behind this one in the current step, from a completed all-reduce:
+    it ended `link_ns` (the link alone: the shortest recent duration) after the later of the two
+    launches, so the peer launched at end - link; negative: the peer was there first."""
+    return end_ns - link_ns - launch_ns
+
+
+def lagged_prediction_ns(lag_ns: float, link_ns: float) -> int:
+    """A bucket launched now ends when the peer launches it too (now + lag, if behind) + the link."""
+    return max(1, int(max(lag_ns, 0.0) + link_ns))
 
 
 class _Watchdog(threading.Thread):
