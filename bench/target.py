@@ -3,7 +3,8 @@
 Keys (BENCHMARKS.md): instrumentation_overhead_ratio (median step time instrumented / not, runs
 interleaved on/off), instrumentation_cost_fraction (time inside the instrumentation calls / step
 time, a noise-free complement of the ratio), bubble_fraction_measured / bubble_fraction_formula (p=2, m=4; also per (p, m)
-in {(2,4), (4,8)} as bubble_fraction_measured_p<p>_m<m>), pred_error_median_bubble,
+in {(2,4), (4,8)} as bubble_fraction_measured_p<p>_m<m>; and Interleaved1F1B p=2 m=4 with 2 chunks per
+rank as bubble_fraction_measured_interleaved_p2_m4, its own bubble error alongside, not pooled), pred_error_median_bubble,
 pred_error_median_comm (median |predicted - actual| / actual; comm over DDP buckets and pipeline
 send/recv, also split per channel family).
 
@@ -42,12 +43,13 @@ from spectrain_workloads.launch import launch_local, wait_all
 WARMUP = 2
 
 
-def _config(path: Path, *, data: int, pipeline: int, microbatches: int, steps: int, seq_len: int) -> Path:
+def _config(path: Path, *, data: int, pipeline: int, microbatches: int, steps: int, seq_len: int,
+            schedule: str = "1F1B") -> Path:
     path.write_text(json.dumps({"apiVersion": "spectrain.io/v1alpha1", "kind": "SpecTrainJob",
                                 "metadata": {"name": "bench"}, "spec": {"mode": "Pretrain", "seed": 1, "target": {
                                     "image": "x", "nodes": data * pipeline, "procsPerNode": 1,
                                     "parallelism": {"data": data, "pipeline": pipeline, "microbatches": microbatches,
-                                                    "schedule": "1F1B"},
+                                                    "schedule": schedule},
                                     "model": {"preset": "debug"},
                                     "data": {"source": "builtin:python-stdlib", "seqLen": seq_len,
                                              "batchSize": 2 * microbatches},
@@ -148,6 +150,12 @@ def main() -> None:
         r48 = _run(base / "p4m8", cfg48, 4, {})
         res["bubble_fraction_measured_p4_m8"] = _bubble_fraction(r48, 4)
         res["bubble_fraction_formula_p4_m8"] = 3 / 11
+        cfg_il = _config(base / "il.json", data=1, pipeline=2, microbatches=4, steps=steps, seq_len=seq,
+                         schedule="Interleaved1F1B")
+        r_il = _run(base / "il", cfg_il, 2, {})
+        res["bubble_fraction_measured_interleaved_p2_m4"] = _bubble_fraction(r_il, 2)
+        res["bubble_fraction_formula_interleaved_p2_m4"] = 1 / 9      # (p-1)/(v*m+p-1), v = 2 chunks
+        res["pred_error_median_bubble_interleaved"] = median(_errors(_windows(r_il, 2), "Bubble"))
         res["bubble_fraction_measured"] = res["bubble_fraction_measured_p2_m4"]
         res["bubble_fraction_formula"] = res["bubble_fraction_formula_p2_m4"]
         cfg_dp = _config(base / "dp.json", data=2, pipeline=1, microbatches=2, steps=steps, seq_len=seq)
