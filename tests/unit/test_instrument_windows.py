@@ -1,4 +1,4 @@
-"""Window predictors of the target's instrumentation (instrument.py): pure functions and the
+"""Window predictors of the target's instrumentation: the pure functions (window_predictors.py) and the
 Instrument driven by a fake clock (synthetic timestamps, no sleeps, no peers)."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 from spectrain_workloads import instrument as im
-from spectrain_workloads.instrument import (
-    Instrument,
-    InstrumentOptions,
+from spectrain_workloads.instrument import Instrument, InstrumentOptions
+from spectrain_workloads.window_predictors import (
     lagged_prediction_ns,
     min_relative_error_center,
     peer_lag_ns,

@@ -60,10 +60,18 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from spectrain_workloads.window_predictors import (
+    LinearFit,
+    lagged_prediction_ns,
+    min_relative_error_center,
+    peer_lag_ns,
+    prefer_second,
+)
 
 BUBBLE, COMMUNICATION, IMBALANCE = "Bubble", "Communication", "Imbalance"
 _RING_KIND = {BUBBLE: 1, COMMUNICATION: 2, IMBALANCE: 3}   # spectrain_workloads.ring.WindowKind values
@@ -120,7 +128,7 @@ class Instrument:
         self._tf: float | None = None    # EMA forward ns per microbatch
         self._tb: float | None = None    # EMA backward ns per microbatch
         self._dur: dict[tuple[str, int, int], deque[float]] = {}   # (channel, bytes, pos) -> recent ns
-        self._fit: dict[str, _LinearFit] = {}                # channel -> latency + bytes / bandwidth
+        self._fit: dict[str, LinearFit] = {}                # channel -> latency + bytes / bandwidth
         self._anchor: dict[str, tuple[int, int]] = {}        # anchor group -> (step, first launch ns)
         self._rel_end: dict[tuple[str, int], deque[float]] = {}   # (channel, bytes) -> recent end - anchor
         self._slot_ratio: dict[int, deque[float]] = {}      # bubble slot -> recent actual / simulated
@@ -359,7 +367,7 @@ class Instrument:
         key = (w.channel, w.nbytes, w.pos)
         with self._lock:
             self._dur.setdefault(key, deque(maxlen=self.opts.history)).append(float(actual))
-            self._fit.setdefault(w.channel, _LinearFit()).add(w.nbytes, float(actual))
+            self._fit.setdefault(w.channel, LinearFit()).add(w.nbytes, float(actual))
 
     def expected_comm_end(self, now: int | None = None) -> int:
         """When the outstanding transfers are expected to be done: the latest start + prediction.
@@ -408,46 +416,6 @@ class Instrument:
         self._write_cost()
 
 
-def min_relative_error_center(xs: Iterable[float]) -> float:
-    """A location that keeps the median relative error |p - x| / x over the samples small: the
-    shortest (in relative terms) run of half the sorted samples, [a, b], and p = 2ab / (a + b), the
-    point equally far from both ends relative to them ((p - a) / a = (b - p) / b). For the skewed
-    (long right tail) durations measured here it is the centre of the densest cluster of short
-    samples, typically below the median: what a median-relative-error metric rewards, and what a
-    mean or a median pulled up by the tail does not give. O(n log n); n is a short history."""
-    v = sorted(x for x in xs if x > 0)
-    n = len(v)
-    if n == 0:
-        return 0.0
-    k = (n + 1) // 2                  # samples the run must hold
-    best_i, best_w = 0, float("inf")
-    for i in range(n - k + 1):
-        a, b = v[i], v[i + k - 1]
-        w = (b - a) / (a + b)         # the relative error at both ends when p = 2ab / (a + b)
-        if w < best_w:
-            best_i, best_w = i, w
-    a, b = v[best_i], v[best_i + k - 1]
-    return 2 * a * b / (a + b)
-
-
-def prefer_second(errs_a: Iterable[float], errs_b: Iterable[float]) -> bool:
-    """Whether predictor b's recent relative errors have a lower median than a's (ties: keep a)."""
-    a, b = list(errs_a), list(errs_b)
-    return bool(a) and bool(b) and statistics.median(b) < statistics.median(a)
-
-
-def peer_lag_ns(launch_ns: int, end_ns: int, link_ns: float) -> float:
-    """How far the peer replica is behind this one in the current step, from a completed all-reduce:
-    it ended `link_ns` (the link alone: the shortest recent duration) after the later of the two
-    launches, so the peer launched at end - link; negative: the peer was there first."""
-    return end_ns - link_ns - launch_ns
-
-
-def lagged_prediction_ns(lag_ns: float, link_ns: float) -> int:
-    """A bucket launched now ends when the peer launches it too (now + lag, if behind) + the link."""
-    return max(1, int(max(lag_ns, 0.0) + link_ns))
-
-
 class _Watchdog(threading.Thread):
     """Fires `fire()` once when an armed deadline passes before `disarm()`."""
 
@@ -487,28 +455,3 @@ class _Watchdog(threading.Thread):
                 # Open the window while holding the condition: disarm() cannot slip between the
                 # deadline check and the window, so sync_end() always sees and closes it.
                 self._fire()
-
-
-class _LinearFit:
-    """Exponentially weighted least squares of duration = latency + bytes / bandwidth."""
-
-    def __init__(self, decay: float = 0.9) -> None:
-        self.decay = decay
-        self.w = self.x = self.y = self.xx = self.xy = 0.0
-
-    def add(self, x: float, y: float) -> None:
-        d = self.decay
-        self.w, self.x, self.y = d * self.w + 1, d * self.x + x, d * self.y + y
-        self.xx, self.xy = d * self.xx + x * x, d * self.xy + x * y
-
-    @property
-    def ready(self) -> bool:
-        return self.w > 0
-
-    def predict(self, x: float) -> float:
-        mx, my = self.x / self.w, self.y / self.w
-        var = self.xx / self.w - mx * mx
-        if var <= 1e-9 * max(mx * mx, 1.0):      # one message size seen so far: pure bandwidth
-            return my * x / mx if mx > 0 else my
-        slope = max((self.xy / self.w - mx * my) / var, 0.0)
-        return max(my + slope * (x - mx), 0.0)
