@@ -41,6 +41,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -160,12 +161,14 @@ class Bench:
 
 
 class PodWatch:
-    """The names of the pods created in a namespace, from one watch: waiting for the children of a
-    burst costs the apiserver no repeated pod lists (which it serves from etcd, decoding every pod
-    of the namespace each time, and which would compete with the operator being measured)."""
+    """The pods created in a namespace, from one watch: `names`, and `on_added(name)` once per new
+    pod. Waiting for the children of a burst this way costs the apiserver no repeated pod lists
+    (which it serves from etcd, decoding every pod of the namespace each time, and which would
+    compete with the operator being measured)."""
 
-    def __init__(self, bench: Bench, ns: str):
+    def __init__(self, bench: Bench, ns: str, on_added: Callable[[str], None] | None = None):
         self.names: set[str] = set()
+        self._on_added = on_added
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._bench, self._ns = bench, ns
@@ -185,8 +188,11 @@ class PodWatch:
                                timeout_seconds=5, _preload_content=False):
                 obj = ev["raw_object"] if "raw_object" in ev else ev["object"]
                 rv = obj["metadata"]["resourceVersion"]
-                if ev["type"] == "ADDED":
-                    self.names.add(obj["metadata"]["name"])
+                name = obj["metadata"]["name"]
+                if ev["type"] == "ADDED" and name not in self.names:
+                    self.names.add(name)
+                    if self._on_added is not None:
+                        self._on_added(name)
                 if self._stop.is_set():
                     w.stop()
                     break
@@ -201,38 +207,15 @@ class Kubelet:
     def __init__(self, bench: Bench, ns: str):
         self.bench, self.ns = bench, ns
         self.todo: queue.Queue[str | None] = queue.Queue()
-        self.stopped = threading.Event()
         self.patched = 0
-        self.threads = [threading.Thread(target=self._watch, daemon=True)]
-        self.threads += [threading.Thread(target=self._work, daemon=True) for _ in range(KUBELET_THREADS)]
-        self.seen: set[str] = set()
-        self.ready = threading.Event()
+        self.threads = [threading.Thread(target=self._work, daemon=True) for _ in range(KUBELET_THREADS)]
+        self.watch: PodWatch | None = None
 
     def start(self) -> Kubelet:
         for t in self.threads:
             t.start()
-        self.ready.wait(30)
+        self.watch = PodWatch(self.bench, self.ns, on_added=self.todo.put)
         return self
-
-    def _watch(self) -> None:
-        from kubernetes import watch
-
-        w = watch.Watch()
-        rv = json.loads(self.bench.core.list_namespaced_pod(self.ns, _preload_content=False).data)["metadata"][
-            "resourceVersion"]
-        self.ready.set()
-        while not self.stopped.is_set():
-            for ev in w.stream(self.bench.core.list_namespaced_pod, self.ns, resource_version=rv,
-                               timeout_seconds=5, _preload_content=False):
-                obj = ev["raw_object"] if "raw_object" in ev else ev["object"]
-                rv = obj["metadata"]["resourceVersion"]
-                name = obj["metadata"]["name"]
-                if ev["type"] == "ADDED" and name not in self.seen:
-                    self.seen.add(name)
-                    self.todo.put(name)
-                if self.stopped.is_set():
-                    w.stop()
-                    break
 
     def _work(self) -> None:
         started = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
@@ -247,7 +230,8 @@ class Kubelet:
             self.patched += 1
 
     def stop(self) -> None:
-        self.stopped.set()
+        if self.watch is not None:
+            self.watch.stop()
         for _ in range(KUBELET_THREADS):
             self.todo.put(None)
 

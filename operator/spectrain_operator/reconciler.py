@@ -176,8 +176,6 @@ class Reconciler:
         if not self.closed:
             self._timers.schedule((namespace, name), min(max(seconds, 0.2), 3600.0))
 
-    _requeue = requeue
-
     def _fire(self, key: Key) -> None:
         if self.closed:
             return

@@ -81,7 +81,7 @@ def test_a_requeue_asked_for_by_a_timer_fired_pass_is_not_lost() -> None:
         def reconcile_once(self, namespace: str, name: str) -> None:  # type: ignore[override]
             passes.append(1.0)
             if len(passes) < 3:
-                self._requeue(namespace, name, 0.01)
+                self.requeue(namespace, name, 0.01)
             else:
                 done.set()
 
@@ -99,8 +99,8 @@ def test_an_earlier_pending_requeue_is_kept_and_a_later_one_merged() -> None:
     r = Reconciler(FakeKube(job()))  # type: ignore[arg-type]
     r.reconcile_once = lambda ns, name: fired.append(name)  # type: ignore[assignment, method-assign, return-value]
     try:
-        r._requeue(NS, "k", 0.3)
-        r._requeue(NS, "k", 30.0)  # later: the pending earlier timer covers it
+        r.requeue(NS, "k", 0.3)
+        r.requeue(NS, "k", 30.0)  # later: the pending earlier timer covers it
         wait_for(lambda: fired, 10, what="the earlier requeue")
         assert fired == ["k"]
     finally:
