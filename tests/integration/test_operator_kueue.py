@@ -61,8 +61,9 @@ def test_plain_pod_admission_is_carried_over_when_the_operator_recreates_pods(en
         # tests/unit/test_reconciler.py covers those)
         tolerations = [*(p["spec"].get("tolerations") or []), GPU_TOLERATION]
         env.core.patch_namespaced_pod(p["metadata"]["name"], env.ns, {"spec": {"tolerations": tolerations}})
-    recorded = wait_for(lambda: env.status("kq2").get("admittedScheduling"), 10,
-                        what="status.admittedScheduling")
+    # each pod's patch triggers its own pass: wait until a pass has seen both admissions
+    recorded = wait_for(lambda: (r := env.status("kq2").get("admittedScheduling")) and len(r) >= 2 and r, 10,
+                        what="status.admittedScheduling for both nodes")
     assert [e["node"] for e in recorded] == [0, 1]
     assert all(e["tolerations"] == [GPU_TOLERATION] for e in recorded)
     env.run_pods("kq2", env.pods("kq2"))
