@@ -9,14 +9,21 @@ pred_error_median_comm (median |predicted - actual| / actual; comm over DDP buck
 send/recv, also split per channel family).
 
 Each run is real processes (launch_local, gloo, debug preset, 1 torch thread per rank).
-instrumentation_overhead_ratio: `blocks` ABBA blocks of runs (on, off, off, on; the next block
-off, on, on, off), so that a load drifting linearly over a block cancels out; per block the ratio of
-the geometric means of the runs' median step times (a step's time is its slowest rank's), then the
-median over blocks (_p10: the same with each run's 10th percentile step time instead of its median,
-less sensitive to other processes' bursts on a shared machine). instrumentation_cost_fraction: the
+instrumentation_overhead_ratio: one run (p=2 m=4) with SPECTRAIN_INSTRUMENT_INTERLEAVE=4: its steps are
+instrumented in blocks of 4, in the order on off off on (then again), so instrumented and plain steps
+alternate every ~160 ms under the same load, the same processes and the same memory layout; the key
+is the median period of the instrumented steps / the median period of the others (a step's period:
+from the previous step's metrics line to its own, averaged over the ranks, so it holds everything
+the instrumentation costs a step: the window calls, the threads it wakes, writing the records).
+instrumentation_overhead_ratio_runs: the same question between whole runs, `blocks` ABBA blocks of
+runs (on, off, off, on; the next block off, on, on, off), per block the ratio of the geometric means of
+the runs' median step times (a step's time is its slowest rank's), then the median over blocks
+(_p10: the runs' 10th percentile step time instead); run-to-run differences of this shared machine
+(5-15 % between identical runs) make it the coarser of the two. instrumentation_cost_fraction: the
 "on" runs set SPECTRAIN_INSTRUMENT_COST_FILE, so each rank sums the CPU time (thread_time) its
 threads spend inside the Instrument's entry points (window open/close with their predictions and
-ring writes, compute EMA, sync points, the watchdog's Imbalance opening) per step (instrument.py);
+ring writes, compute EMA, sync points, the watchdog's Imbalance opening, the per-step learning in
+end_step) per step (instrument.py);
 per run the largest rank's sum over the measured steps / the sum of the step times, then the median
 over runs (_wall: perf_counter time instead, which also counts waiting for a lock, the GIL or a CPU
 inside a call). It includes the accounting's own clock reads (a few us per call) and leaves out
@@ -41,6 +48,7 @@ from bench.common import median, parse_args, percentile, print_table, write_resu
 from spectrain_workloads.launch import launch_local, wait_all
 
 WARMUP = 2
+INTERLEAVE = 4      # steps per on/off block of the interleaved overhead run
 
 
 def _config(path: Path, *, data: int, pipeline: int, microbatches: int, steps: int, seq_len: int,
@@ -100,6 +108,28 @@ def _cost_fraction(root: Path, world: int, kind: str) -> float:
     return max(costs) / total
 
 
+def _periods(root: Path, world: int) -> list[tuple[bool, float]]:
+    """(instrumented, seconds) per step after the warm-up: a step's period is from the previous
+    step's metrics line to its own (time_ns), so it holds everything a step costs (the schedule,
+    the optimizer, writing the window records), averaged over the ranks (in a pipeline a rank's
+    lateness shows up in its neighbours' next step, so a per-step max would count it twice)."""
+    per_rank = [_read(root, f"target-rank-{r}.jsonl") for r in range(world)]
+    out = []
+    for i in range(WARMUP + 1, len(per_rank[0])):
+        flags = {lines[i]["instrumented"] for lines in per_rank}
+        assert len(flags) == 1, f"ranks disagree on whether step {i} is instrumented"
+        dt = statistics.mean((lines[i]["time_ns"] - lines[i - 1]["time_ns"]) / 1e9 for lines in per_rank)
+        out.append((flags.pop(), dt))
+    return out
+
+
+def _interleaved_ratio(periods: list[tuple[bool, float]]) -> float:
+    """Median period of the instrumented steps / median of the others."""
+    on = [t for f, t in periods if f]
+    off = [t for f, t in periods if not f]
+    return median(on) / median(off)
+
+
 def _errors(ws: list[dict[str, Any]], kind: str, prefix: str = "") -> list[float]:
     return [abs(w["predicted_ns"] - w["actual_ns"]) / w["actual_ns"] for w in ws
             if w["kind"] == kind and w["predicted_ns"] > 0 and w["actual_ns"] > 0
@@ -109,6 +139,7 @@ def _errors(ws: list[dict[str, Any]], kind: str, prefix: str = "") -> list[float
 def main() -> None:
     args = parse_args(__doc__ or "")
     steps, blocks, seq = (12, 1, 128) if args.quick else (40, 3, 128)
+    interleaved_steps = 160 if args.quick else 2000
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-target-") as tmp:
         base = Path(tmp)
@@ -136,14 +167,22 @@ def main() -> None:
                     off_t += times
             ratios.append(statistics.geometric_mean(meds["on"]) / statistics.geometric_mean(meds["off"]))
             ratios_p10.append(statistics.geometric_mean(lows["on"]) / statistics.geometric_mean(lows["off"]))
-        res["instrumentation_overhead_ratio"] = median(ratios)
-        res["instrumentation_overhead_ratios"] = [round(x, 4) for x in ratios]
-        res["instrumentation_overhead_ratio_p10"] = median(ratios_p10)
+        res["instrumentation_overhead_ratio_runs"] = median(ratios)
+        res["instrumentation_overhead_ratios_runs"] = [round(x, 4) for x in ratios]
+        res["instrumentation_overhead_ratio_runs_p10"] = median(ratios_p10)
         res["instrumentation_cost_fraction"] = median(costs)
         res["instrumentation_cost_fraction_max"] = max(costs)
         res["instrumentation_cost_fraction_wall"] = median(costs_wall)
-        res["instrumentation_overhead_ratio_min"] = min(ratios)
-        res["instrumentation_overhead_ratio_max"] = max(ratios)
+        res["instrumentation_overhead_ratio_runs_min"] = min(ratios)
+        res["instrumentation_overhead_ratio_runs_max"] = max(ratios)
+        r_il4 = _run(base / "interleaved", _config(base / "il4.json", data=1, pipeline=2, microbatches=4,
+                                                   steps=interleaved_steps, seq_len=seq),
+                     2, {"SPECTRAIN_INSTRUMENT_INTERLEAVE": str(INTERLEAVE)})
+        periods = _periods(r_il4, 2)
+        res["instrumentation_overhead_ratio"] = _interleaved_ratio(periods)
+        res["instrumentation_overhead_steps"] = len(periods)
+        res["step_period_ms_instrumented_median"] = median([t for f, t in periods if f]) * 1e3
+        res["step_period_ms_plain_median"] = median([t for f, t in periods if not f]) * 1e3
         res["bubble_fraction_measured_p2_m4"] = statistics.mean(_bubble_fraction(r, 2) for r in on_runs)
         res["bubble_fraction_formula_p2_m4"] = 1 / 5
         cfg48 = _config(base / "p4m8.json", data=1, pipeline=4, microbatches=8, steps=steps, seq_len=seq // 2)

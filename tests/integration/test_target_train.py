@@ -254,6 +254,19 @@ def test_instrumentation_off_is_bitwise_identical(dp: Path, dp_cfg: Path,
         assert _lines(off, f"windows-rank-{rank}.jsonl") == []
 
 
+def test_interleaved_instrumentation_is_bitwise_and_marks_its_steps(dp: Path, dp_cfg: Path,
+                                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """bench-target's overhead run: instrumented and plain steps alternate (blocks of 2: on on off
+    off off off on on ...) without changing the losses, and only instrumented steps have windows."""
+    mixed = _run(tmp_path_factory.mktemp("interleaved"), dp_cfg, 2, {"SPECTRAIN_INSTRUMENT_INTERLEAVE": "2"})
+    expect = [True, True, False, False, False, False, True, True, True, True, False, False]
+    for rank in (0, 1):
+        assert _losses(mixed, rank) == _losses(dp, rank)
+        assert [line["instrumented"] for line in _lines(mixed, f"target-rank-{rank}.jsonl")] == expect[:STEPS]
+        steps = {w["step"] for w in _lines(mixed, f"windows-rank-{rank}.jsonl")}
+        assert steps == {i for i, on in enumerate(expect[:STEPS]) if on}, (rank, steps)
+
+
 def test_sigterm_saves_and_resume_is_bitwise(dp: Path, dp_cfg: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     root = tmp_path_factory.mktemp("resume")
     long_cfg = _config(root / "long.json", data=2, pipeline=1, microbatches=2, steps=1000, every=1000, seq_len=64)

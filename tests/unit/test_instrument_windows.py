@@ -75,6 +75,12 @@ def test_peer_lag_and_lagged_prediction() -> None:
     assert lagged_prediction_ns(0, 0) == 1
 
 
+def _step(ins: Instrument, step: int) -> None:
+    """What the executor does between steps: the last step's windows are learned, the next begins."""
+    ins.end_step()
+    ins.step = step
+
+
 def _bucket(ins: Instrument, clock: _Clock, k: int, launch: int, end: int) -> int:
     """Open dp bucket k at `launch`, close it at `end`; returns its prediction."""
     clock.t = launch
@@ -90,14 +96,14 @@ def test_dp_buckets_after_the_first_completion_use_the_steps_lag(clock: _Clock) 
     try:
         base = 1_000 * MS
         for step in range(3):      # history: the peer on time, each bucket's link 1 ms
-            ins.step = step
+            _step(ins, step)
             t = base + step * 100 * MS
             _bucket(ins, clock, 0, t, t + 1 * MS)
             _bucket(ins, clock, 1, t + 2 * MS, t + 3 * MS)
             _bucket(ins, clock, 2, t + 4 * MS, t + 5 * MS)
         # step 3: the peer is 10 ms behind; bucket 0 shows it, buckets 1 and 2 (opened after it
         # completed) are predicted as lag + link
-        ins.step = 3
+        _step(ins, 3)
         t = base + 300 * MS
         clock.t = t
         w0 = ins.comm_open("dp-bucket-0", 1000, anchor="dp")
@@ -108,7 +114,7 @@ def test_dp_buckets_after_the_first_completion_use_the_steps_lag(clock: _Clock) 
         # bucket 1 ends 10 ms (the peer's launch of it) + 1 ms (link) after its own launch
         assert p1 == 11 * MS
         # a new step starts without a lag: back to the anchored history (end - anchor = 1 ms)
-        ins.step = 4
+        _step(ins, 4)
         t = base + 400 * MS
         assert _bucket(ins, clock, 0, t, t + 1 * MS) == 1 * MS
     finally:
@@ -119,11 +125,11 @@ def test_dp_lag_when_this_replica_is_the_late_one_predicts_the_link(clock: _Cloc
     ins = _instr()
     try:
         for step, d1 in enumerate((1 * MS, 6 * MS)):      # bucket 1: once on time, once the peer late
-            ins.step = step
+            _step(ins, step)
             t = 1_000 * MS + step * 100 * MS
             _bucket(ins, clock, 0, t, t + 2 * MS)
             _bucket(ins, clock, 1, t + 3 * MS, t + 3 * MS + d1)
-        ins.step = 2
+        _step(ins, 2)
         t = 1_300 * MS
         _bucket(ins, clock, 0, t, t + 2 * MS)               # as short as its link (2 ms): lag 0
         # the anchored history alone would say anchor + median(4, 9 ms) - launch = 3.5 ms; with the
@@ -139,7 +145,7 @@ def test_bubble_switches_to_slot_history_when_the_simulation_keeps_missing(clock
         sims = [10 * MS, 30 * MS, 10 * MS, 30 * MS, 10 * MS, 30 * MS, 10 * MS, 30 * MS]   # own F/B jitter
         preds = []
         for step, sim in enumerate(sims):
-            ins.step = step
+            _step(ins, step)
             w = ins.bubble_open(sim, slot=0)
             assert w is not None
             preds.append(w.predicted_ns)
@@ -149,7 +155,7 @@ def test_bubble_switches_to_slot_history_when_the_simulation_keeps_missing(clock
         assert preds[-1] == 20 * MS                           # the slot's history won
         # a slot where the simulation is right keeps it
         for step, sim in enumerate(sims):
-            ins.step = step
+            _step(ins, step)
             w = ins.bubble_open(sim, slot=1)
             assert w is not None
             last = w.predicted_ns
@@ -167,6 +173,7 @@ def test_comm_history_prediction_is_the_min_relative_error_center(clock: _Clock)
             w = ins.comm_open("pp-recv-act", 64, pos=1)
             clock.t += int(d)
             ins.comm_close(w)
+        ins.end_step()
         # the shortest run of 3 of (1, 1, 1.1, 8, 9 ms) is 1-1.1 ms: 2 * 1 * 1.1 / 2.1 ms; the median
         # would say 1.1 ms, the mean 4 ms
         assert ins.predict_comm_ns("pp-recv-act", 64, 1) == int(2 * MS * 1.1 * MS / (2.1 * MS))
@@ -188,7 +195,7 @@ def test_cost_accounting_only_with_a_cost_path(clock: _Clock, tmp_path: Path) ->
     ins.record_compute("F", 1000)
     ins.close()
     rec = json.loads((tmp_path / "cost-rank-3.json").read_text())
-    assert rec["rank"] == 3 and rec["calls"] == 4       # + the sync_end() that close() makes
+    assert rec["rank"] == 3 and rec["calls"] == 5       # + the sync_end() and end_step() that close() makes
     assert set(rec["per_step_wall_ns"]) == set(rec["per_step_cpu_ns"]) == {"5"}
     assert rec["total_wall_ns"] == rec["per_step_wall_ns"]["5"] > 0
     assert rec["total_cpu_ns"] == rec["per_step_cpu_ns"]["5"] > 0

@@ -207,3 +207,17 @@ def test_checkpoints_are_atomic_and_keep_last_n(tmp_path) -> None:
         mgr.save(step, {"step": step, "w": torch.full((3,), float(step))})
     assert mgr.steps() == [4, 6] and not list(mgr.dir.glob(".tmp-*"))
     assert torch.equal(mgr.load(6)["w"], torch.full((3,), 6.0))
+
+
+def test_instrument_interleave_pattern_and_option() -> None:
+    from spectrain_workloads.trainer import TrainerOptions, instrumented_step
+
+    assert all(instrumented_step(s, 0) for s in range(10))
+    # blocks of 2 in the order on off off on, then again
+    assert [instrumented_step(s, 2) for s in range(16)] == [True] * 2 + [False] * 4 + [True] * 4 + [False] * 4 + [True] * 2
+    env = {"SPECTRAIN_RUN_DIR": "/tmp/x", "SPECTRAIN_INSTRUMENT_INTERLEAVE": "4"}
+    assert TrainerOptions.from_env(env).instrument_interleave == 4
+    with pytest.raises(ConfigError, match="SPECTRAIN_INSTRUMENT_INTERLEAVE must be >= 0"):
+        TrainerOptions.from_env({**env, "SPECTRAIN_INSTRUMENT_INTERLEAVE": "-1"})
+    with pytest.raises(ConfigError, match="SPECTRAIN_INSTRUMENT_INTERLEAVE='x' is not a valid int"):
+        TrainerOptions.from_env({**env, "SPECTRAIN_INSTRUMENT_INTERLEAVE": "x"})

@@ -9,7 +9,7 @@
   in $SPECTRAIN_RUN_DIR + the pod annotation in a cluster); a run dir given other than through
   that env var (tests calling the trainer directly) gets its progress.json written here too.
 
-Windows close on other threads (gloo completion, watchdog); `window_closed` only appends to a
+Windows reach the sink from the Instrument's `end_step()` (training thread, once per step); `window_closed` only appends to a
 list under a lock, and the training thread writes the files at the end of each step.
 """
 

@@ -81,49 +81,48 @@ def make_comm_hook(instrument: Instrument, channel: str = "dp-bucket-"
 class SendTracker:
     """Keeps isend works (and their tensors) alive until complete. With instrumentation, a thread
     waits on them in order and closes their Communication windows at completion (gloo's send
-    works expose no future and report completion only through wait())."""
+    works expose no future and report completion only through wait()). The hand-offs are C-level
+    SimpleQueues, so the thread runs little Python per send: its wake-ups, not the Python, are what
+    the training processes pay for (instrument.py's watchdog says more)."""
 
     def __init__(self, instrument: Instrument) -> None:
         self.instrument = instrument
         self._pending: list[tuple[Any, torch.Tensor]] = []
-        self._q: queue.Queue[Any] | None = None
-        self._inflight = 0
-        self._cv = threading.Condition()
+        self._q: queue.SimpleQueue[Any] | None = None
+        self._done: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._inflight = 0            # handed to the thread and not yet reported done (training thread only)
         if instrument.enabled:
-            self._q = queue.Queue()
+            self._q = queue.SimpleQueue()
             threading.Thread(target=self._loop, name="spectrain-send-waiter", daemon=True).start()
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any, tag: int, channel: str) -> None:
-        if self._q is None:
+        if self._q is None or not self.instrument.enabled:
             self._pending.append((dist.isend(tensor, dst, group=group, tag=tag), tensor))
             return
         w = self.instrument.comm_open(channel, tensor.numel() * tensor.element_size(), pos=tag)
         work = dist.isend(tensor, dst, group=group, tag=tag)
-        with self._cv:
-            self._inflight += 1
+        self._inflight += 1
         self._q.put((work, tensor, w))
 
     def _loop(self) -> None:
         assert self._q is not None
+        get, close, done = self._q.get, self.instrument.comm_close, self._done.put
         while True:
-            item = self._q.get()
+            item = get()
             if item is None:
                 return
-            work, _tensor, w = item
-            work.wait()
-            self.instrument.comm_close(w)
-            with self._cv:
-                self._inflight -= 1
-                self._cv.notify_all()
+            item[0].wait()
+            close(item[2])
+            done(None)
 
     def drain(self) -> None:
-        """Block until every send issued so far has completed."""
+        """Block until every send issued so far has completed (and its window is closed)."""
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
-        with self._cv:
-            while self._inflight:
-                self._cv.wait()
+        while self._inflight:
+            self._done.get()
+            self._inflight -= 1
 
     def close(self) -> None:
         self.drain()
@@ -305,6 +304,7 @@ class StageExecutor:
                     tag = ((j - 1) // p) * m + i
                     self.sends.send(x.grad, self.prev_rank, self.grad_out, tag, "pp-send-grad")
         self.sends.drain()
+        instr.end_step()
         self._steps_run += 1
         if self.last:
             out.loss = float(loss_sum)

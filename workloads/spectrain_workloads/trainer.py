@@ -69,6 +69,10 @@ class TrainerOptions:
     device: str = "auto"                # [SPECTRAIN_DEVICE] auto | cpu | cuda
     drafter_enabled: bool = True        # [SPECTRAIN_DRAFTER_ENABLED] 0: publish nothing to the ring
     instrument: bool = True             # [SPECTRAIN_INSTRUMENT] 0: no windows at all (bitwise-equal losses)
+    # [SPECTRAIN_INSTRUMENT_INTERLEAVE] k > 0: instrument only some steps, in blocks of k steps in the
+    # order on off off on (ABBA, then again), so that one run measures the instrumentation's cost side
+    # by side (bench-target); metrics mark each step `instrumented`. 0: every step (instrument on).
+    instrument_interleave: int = 0
     publish_fraction: float = 0.25      # [SPECTRAIN_PUBLISH_FRACTION] of each microbatch's sequences
     bucket_cap_mb: float = 25.0         # [SPECTRAIN_BUCKET_CAP_MB] DDP bucket size
     skew: float = 0.0                   # [SPECTRAIN_DATA_SKEW] seq-length skew injection (data.py)
@@ -85,6 +89,8 @@ class TrainerOptions:
             raise ConfigError(f"SPECTRAIN_PUBLISH_FRACTION must be in [0, 1], got {self.publish_fraction}")
         if self.bucket_cap_mb <= 0:
             raise ConfigError(f"SPECTRAIN_BUCKET_CAP_MB must be > 0, got {self.bucket_cap_mb}")
+        if self.instrument_interleave < 0:
+            raise ConfigError(f"SPECTRAIN_INSTRUMENT_INTERLEAVE must be >= 0 (0: off), got {self.instrument_interleave}")
         if self.term_grace_s <= 2:
             raise ConfigError(f"SPECTRAIN_TERM_GRACE_S must be > 2, got {self.term_grace_s}")
 
@@ -100,6 +106,7 @@ class TrainerOptions:
             device=e.get("SPECTRAIN_DEVICE", "auto") or "auto",
             drafter_enabled=_env(e, "SPECTRAIN_DRAFTER_ENABLED", bool, True),
             instrument=_env(e, "SPECTRAIN_INSTRUMENT", bool, True),
+            instrument_interleave=_env(e, "SPECTRAIN_INSTRUMENT_INTERLEAVE", int, 0),
             publish_fraction=_env(e, "SPECTRAIN_PUBLISH_FRACTION", float, 0.25),
             bucket_cap_mb=_env(e, "SPECTRAIN_BUCKET_CAP_MB", float, 25.0),
             skew=_env(e, "SPECTRAIN_DATA_SKEW", float, 0.0),
@@ -313,6 +320,7 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
         if term.requested.is_set():
             _exit_terminated(term, save, boundary["step"], metrics, publisher)
         t0 = time.monotonic()
+        instr.enabled = opts.instrument and instrumented_step(step, opts.instrument_interleave)
         inputs, targets = loader.batch(step)
         try:
             t_pipe = time.monotonic_ns()
@@ -345,7 +353,7 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
         metrics.step(step=step, loss=loss, step_time_s=dt, tokens=tokens_per_step * inputs.size(1),
                      extra={"stage": stage, "replica": replica, "seq_len": inputs.size(1),
                             "forward_ms": sum(out.forward_ns) / 1e6, "backward_ms": sum(out.backward_ns) / 1e6,
-                            "pipeline_ms": pipeline_ns / 1e6},
+                            "pipeline_ms": pipeline_ns / 1e6, "instrumented": instr.enabled},
                      final=step + 1 == t.steps)
         if (step + 1) % t.checkpoint.every_steps == 0 or step + 1 == t.steps:
             with term.state_lock:
@@ -365,6 +373,12 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
         dist.barrier()
         dist.destroy_process_group()
     return losses
+
+
+def instrumented_step(step: int, interleave: int) -> bool:
+    """Whether `step` is instrumented when steps are interleaved in blocks of `interleave` (0: all):
+    blocks on, off, off, on, then again, so a load drifting linearly over 4 blocks cancels out."""
+    return interleave <= 0 or (step // interleave) % 4 in (0, 3)
 
 
 def _agreed_resume_step(ckpt: CheckpointManager, rank: RankInfo, device: torch.device) -> int:
