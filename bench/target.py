@@ -22,7 +22,7 @@ the runs' median step times (a step's time is its slowest rank's), then the medi
 (5-15 % between identical runs) make it the coarser of the two. instrumentation_cost_fraction: the
 "on" runs set SPECTRAIN_INSTRUMENT_COST_FILE, so each rank sums the CPU time (thread_time) its
 threads spend inside the Instrument's entry points (window open/close with their predictions and
-ring writes, compute EMA, sync points, the watchdog's Imbalance opening, the per-step learning in
+ring writes, compute EMA, sync points, the imbalance watch's window opening, the per-step learning in
 end_step) per step (instrument.py);
 per run the largest rank's sum over the measured steps / the sum of the step times, then the median
 over runs (_wall: perf_counter time instead, which also counts waiting for a lock, the GIL or a CPU
@@ -139,7 +139,7 @@ def _errors(ws: list[dict[str, Any]], kind: str, prefix: str = "") -> list[float
 def main() -> None:
     args = parse_args(__doc__ or "")
     steps, blocks, seq = (12, 1, 128) if args.quick else (40, 3, 128)
-    interleaved_steps = 160 if args.quick else 2000
+    interleaved_steps = 160 if args.quick else 3000
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-target-") as tmp:
         base = Path(tmp)

@@ -31,9 +31,9 @@
   timestamps only, no extra collective: when a rank reaches a sync point (its compute for the step
   is done, or it needs a tensor a peer has not sent), the transfers it still waits for are
   expected to end at `expected_comm_end()` (the latest start + prediction among the outstanding
-  windows: bucket all-reduces overlap the backward and each other). A watchdog thread is armed
-  for that moment plus `imbalance_min_ns`; if the rank is still
-  blocked then, the rest of the wait is a peer's lateness, and the Imbalance window opens at once.
+  windows: bucket all-reduces overlap the backward and each other). A deadline is armed for that
+  moment plus `imbalance_min_ns` (imbalance_watch.py: an interval timer on the main thread, which
+  wakes no thread unless it passes; a sleeping thread elsewhere); if the rank is still blocked then, the rest of the wait is a peer's lateness, and the Imbalance window opens at once.
   `sync_end()` closes it. Communication samples that overlapped an Imbalance window are not fed
   to the duration history (they measured the peer, not the link). Medians rather than means: on
   a shared CPU, sub-millisecond transfers have a heavy tail of scheduling delays that would pull
@@ -48,7 +48,7 @@ training with instrumentation on and off is bitwise identical. `enabled=False` t
 into a cheap no-op (returns None).
 
 Thread safety: windows are opened/closed from the training thread, the gloo completion thread
-(comm hook callbacks), the send-completion thread and the watchdog; one lock serialises them.
+(comm hook callbacks), the send-completion thread and the imbalance watch; one lock serialises them.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import queue
 import statistics
 import threading
 import time
@@ -66,6 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spectrain_workloads.imbalance_watch import Watch, make_watch
 from spectrain_workloads.window_predictors import (
     LinearFit,
     lagged_prediction_ns,
@@ -156,7 +156,7 @@ class Instrument:
         self._outstanding: dict[int, Window] = {}     # open comm windows by local id
         self._imb_epoch = 0
         self._imbalance: Window | None = None
-        self._watch: _Watchdog | None = None
+        self._watch: Watch | None = None
         # cost_path set only: step -> (wall ns, this thread's CPU ns) inside the instrumentation calls
         self._cost_ns: dict[int, list[int]] = {}
         self._cost_by_call: dict[str, list[int]] = {}   # entry point -> [calls, wall ns, CPU ns]
@@ -164,8 +164,7 @@ class Instrument:
         if self.enabled and opts.cost_path:
             self._wrap_for_cost()
         if self.enabled:
-            self._watch = _Watchdog(self._fire_imbalance)
-            self._watch.start()
+            self._watch = make_watch(self._fire_imbalance)
 
     # -- cost accounting (only with opts.cost_path) ---------------------------------------------
     _COSTED = ("record_compute", "bubble_open", "bubble_close", "comm_open", "comm_close", "sync_begin",
@@ -177,7 +176,7 @@ class Instrument:
         Two sums per step: wall time (perf_counter: includes waiting for this class's lock, the GIL
         or a CPU while inside a call, so it carries the machine's jitter) and the calling thread's
         CPU time (thread_time: only the work itself). Calls come from the training thread, gloo's
-        completion thread, the send waiter and the watchdog, so the two sums are over all of them."""
+        completion thread, the send waiter and the imbalance watch, so the two sums are over all of them."""
         cost_lock = threading.Lock()
 
         def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -435,7 +434,7 @@ class Instrument:
         self._watch.arm(self.expected_comm_end() + extra_pred_ns + self.opts.imbalance_min_ns)
 
     def sync_end(self) -> None:
-        """The wait is over: close the Imbalance window if the watchdog opened one."""
+        """The wait is over: close the Imbalance window if the watch opened one."""
         if self._watch is None:
             return
         self._watch.disarm()
@@ -462,61 +461,3 @@ class Instrument:
         self.sync_end()
         self.end_step()
         self._write_cost()
-
-
-class _Watchdog(threading.Thread):
-    """Fires `fire()` once when an armed deadline passes before `disarm()`.
-
-    On 2 busy cores a wake-up of this thread is what costs the training processes most (measured:
-    about 1.5 % of a 40 ms debug step with one per arm), more than the Python it runs: the woken
-    thread takes a CPU and the GIL from a training thread. So arm() only wakes it when it sleeps past
-    the new deadline (idle, or on a later deadline), disarm() never does (a thread asleep on a stale
-    deadline wakes there, finds the deadline moved on or gone, and sleeps again), and the waiting is
-    C-level (a SimpleQueue get with a timeout, a plain lock): little Python runs per wake-up."""
-
-    def __init__(self, fire: Callable[[], None]) -> None:
-        super().__init__(name="spectrain-imbalance-watchdog", daemon=True)
-        self._fire = fire
-        self._lock = threading.Lock()
-        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
-        self._deadline: int | None = None
-        self._sleeping_until: int | None = None     # the deadline this thread sleeps on (None: idle)
-        self._stopped = False
-
-    def arm(self, deadline_ns: int) -> None:
-        with self._lock:
-            self._deadline = deadline_ns
-            wake = self._sleeping_until is None or self._sleeping_until > deadline_ns
-            if wake:
-                self._sleeping_until = deadline_ns      # one wake-up is enough until it sleeps again
-        if wake:
-            self._wake.put(None)
-
-    def disarm(self) -> None:
-        with self._lock:
-            self._deadline = None
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-        self._wake.put(None)
-        self.join(timeout=5)
-
-    def run(self) -> None:
-        while True:
-            with self._lock:
-                if self._stopped:
-                    return
-                deadline = self._deadline
-                left = None if deadline is None else deadline - time.monotonic_ns()
-                if left is not None and left <= 0:
-                    self._deadline = None
-                    # Open the window while holding the lock: disarm() cannot slip between the
-                    # deadline check and the window, so sync_end() always sees and closes it.
-                    self._fire()
-                    continue
-                self._sleeping_until = deadline
-            try:
-                self._wake.get(timeout=None if left is None else left / 1e9)
-            except queue.Empty:
-                pass

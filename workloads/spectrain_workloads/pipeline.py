@@ -83,7 +83,7 @@ class SendTracker:
     waits on them in order and closes their Communication windows at completion (gloo's send
     works expose no future and report completion only through wait()). The hand-offs are C-level
     SimpleQueues, so the thread runs little Python per send: its wake-ups, not the Python, are what
-    the training processes pay for (instrument.py's watchdog says more)."""
+    the training processes pay for (imbalance_watch.py says more)."""
 
     def __init__(self, instrument: Instrument) -> None:
         self.instrument = instrument

@@ -35,6 +35,7 @@ from spectrain_workloads.checkpoint import CheckpointManager, rng_state, save_sh
 from spectrain_workloads.config import JobConfig
 from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus, resolve_source
 from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.imbalance_watch import block_alarm_in_new_threads, unblock_alarm
 from spectrain_workloads.instrument import Instrument, InstrumentOptions
 from spectrain_workloads.metrics import MetricsWriter
 from spectrain_workloads.model import ModelConfig, Transformer, model_config
@@ -210,6 +211,7 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
     plan = make_plan(cfg, rank.world)
     t = cfg.target
     P, D = plan.pipeline, plan.data
+    block_alarm_in_new_threads()     # the Instrument's imbalance alarm goes to this thread only
     stage, replica = rank.rank % P, rank.rank // P
     corpus = load_corpus(t.data.source, max_bytes=opts.data_max_bytes)
     loader = TokenLoader(corpus, LoaderSpec(seq_len=t.data.seq_len, batch_size=t.data.batch_size,
@@ -312,6 +314,7 @@ def train(cfg: JobConfig, opts: TrainerOptions, rank: RankInfo) -> list[float | 
         # The drafter needs the embedding / LM head from the start, not from the first checkpoint.
         write_shared()
     term = Terminator(opts.term_grace_s, lambda: save(boundary["step"]))
+    unblock_alarm()                  # every thread of the run exists now
     losses: list[float | None] = []
     loss_buf = torch.zeros((), dtype=torch.float32, device=device)
     loss_send: Any = None     # the last stage's previous loss isend (rank 0 receives it after its step)
