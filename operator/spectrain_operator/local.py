@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -67,9 +68,33 @@ class LocalRun:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port for a listener that a local process binds later (master / metrics ports).
+
+    Chosen below the kernel's ephemeral range, not with bind(port 0): a port from that range can be
+    taken before the listener binds it, as the source port of any outgoing connection (a gloo mesh
+    opens dozens per rank), and a metrics server bound after the mesh then failed with EADDRINUSE."""
+    low = _ephemeral_low()
+    top = min(low, 30000)
+    if top - 10000 >= 1000:
+        rng = random.Random()
+        for _ in range(64):
+            port = rng.randrange(10000, top)
+            with socket.socket() as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:      # no room below the ephemeral range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768        # Linux's default
 
 
 def load_manifest(path: str | Path) -> dict[str, Any]:

@@ -35,3 +35,17 @@ def test_empty_target_command_falls_back_to_the_workload_entrypoint(tmp_path: Pa
 def test_report_of_a_directory_without_metrics_says_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no metrics/ found; pass the --run-dir"):
         report.build_report(tmp_path)
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_bindable() -> None:
+    # An ephemeral port can be taken as an outgoing connection's source port before the local
+    # process binds it (a metrics server after the gloo mesh failed with EADDRINUSE that way).
+    import socket
+
+    from spectrain_operator.local import _ephemeral_low, free_port
+
+    for _ in range(20):
+        port = free_port()
+        assert 10000 <= port < min(_ephemeral_low(), 30000)
+        with socket.socket() as s:
+            s.bind(("", port))
