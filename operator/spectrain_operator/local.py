@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,8 +68,9 @@ class LocalRun:
         return [c for c in self.containers if c.sidecar]
 
 
-def free_port() -> int:
-    """A port for a listener that a local process binds later (master / metrics ports).
+def free_port(exclude: Collection[int] = ()) -> int:
+    """A port for a listener that a local process binds later (master / metrics ports), not one of
+    `exclude` (the ports already handed out to this run's processes, not bound yet).
 
     Chosen below the kernel's ephemeral range, not with bind(port 0): a port from that range can be
     taken before the listener binds it, as the source port of any outgoing connection (a gloo mesh
@@ -79,6 +81,8 @@ def free_port() -> int:
         rng = random.Random()
         for _ in range(64):
             port = rng.randrange(10000, top)
+            if port in exclude:
+                continue
             with socket.socket() as s:
                 try:
                     s.bind(("", port))
@@ -166,7 +170,9 @@ def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Pat
         env[item["name"]] = value
     if env.get("SPECTRAIN_METRICS_PORT", "0") != "0":
         # Pods share one network namespace locally: each gets its own metrics port.
-        env["SPECTRAIN_METRICS_PORT"] = str(pod_ports.setdefault(meta["name"], free_port()))
+        if meta["name"] not in pod_ports:
+            pod_ports[meta["name"]] = free_port(exclude={master_port, *pod_ports.values()})
+        env["SPECTRAIN_METRICS_PORT"] = str(pod_ports[meta["name"]])
     env["MASTER_ADDR"] = "127.0.0.1"
     env["MASTER_PORT"] = str(master_port)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -49,3 +49,5 @@ def test_free_port_is_outside_the_ephemeral_range_and_bindable() -> None:
         assert 10000 <= port < min(_ephemeral_low(), 30000)
         with socket.socket() as s:
             s.bind(("", port))
+    handed_out = set(range(10000, 30000, 2))      # ports given to processes that have not bound them yet
+    assert all(free_port(exclude=handed_out) not in handed_out for _ in range(50))
