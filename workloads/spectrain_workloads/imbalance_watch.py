@@ -11,8 +11,8 @@ the watch's lock, so a `disarm()` that returns has either prevented it or seen i
   deadline is an interval timer (setitimer, ITIMER_REAL). Arming and disarming are one syscall each
   on the caller's thread and wake no thread at all; only when the deadline passes does the signal's
   C-level handler write to a wakeup fd and a thread blocked on it opens the window. On 2 busy
-  cores that matters: a thread woken at every sync point cost about 1.5 % of a 40 ms debug step
-  (docs/benchmarks.md, target). SIGALRM is blocked in the other threads that exist when it is set
+  cores that can matter: one ablation measured a thread woken at every sync point at about 1.5 %
+  of a 40 ms debug step, a later one could not resolve it (docs/benchmarks.md, target). SIGALRM is blocked in the other threads that exist when it is set
   up (the trainer calls `block_alarm_in_new_threads` before creating any, gloo's and its own, and
   `unblock_alarm` after), so only the main thread is interrupted, and its blocking calls restart
   (C++ waits) or are retried (Python, PEP 475). Without that, AlarmWatch still works; the signal
@@ -133,12 +133,11 @@ def _ignore(signum: int, frame: object) -> None:
 class ThreadWatch(threading.Thread):
     """The fallback: a thread sleeps until the armed deadline.
 
-    On 2 busy cores a wake-up of this thread is what costs the training processes most (measured:
-    about 1.5 % of a 40 ms debug step with one per arm), more than the Python it runs: the woken
-    thread takes a CPU and the GIL from a training thread. So arm() only wakes it when it sleeps past
-    the new deadline (idle, or on a later deadline), disarm() never does (a thread asleep on a stale
-    deadline wakes there, finds the deadline moved on or gone, and sleeps again), and the waiting is
-    C-level (a SimpleQueue get with a timeout, a plain lock): little Python runs per wake-up."""
+    On 2 busy cores a wake-up of this thread can cost the training processes more than the Python it
+    runs (the woken thread takes a CPU and the GIL from a training thread; see the module docstring).
+    So arm() only wakes it when it sleeps past the new deadline (idle, or on a later deadline),
+    disarm() never does (a thread asleep on a stale deadline wakes there, finds the deadline moved
+    on or gone, and sleeps again), and the waiting is C-level (a SimpleQueue get with a timeout, a plain lock): little Python runs per wake-up."""
 
     def __init__(self, fire: Callable[[], None]) -> None:
         super().__init__(name="spectrain-imbalance-watchdog", daemon=True)

@@ -82,8 +82,8 @@ class SendTracker:
     """Keeps isend works (and their tensors) alive until complete. With instrumentation, a thread
     waits on them in order and closes their Communication windows at completion (gloo's send
     works expose no future and report completion only through wait()). The hand-offs are C-level
-    SimpleQueues, so the thread runs little Python per send: its wake-ups, not the Python, are what
-    the training processes pay for (imbalance_watch.py says more)."""
+    SimpleQueues, so the thread runs little Python per send; its wake-ups are the larger cost on a
+    busy CPU (imbalance_watch.py says more)."""
 
     def __init__(self, instrument: Instrument) -> None:
         self.instrument = instrument
