@@ -170,8 +170,9 @@ def _accuracy(ws: list[dict[str, Any]], suffix: str) -> dict[str, float]:
     res = {f"pred_error_median_comm{suffix}": median(_errors(ws, "Communication")),
            f"pred_error_hindsight_comm{suffix}": _hindsight_constant_error(ws)}
     for name, prefix in (("dp_bucket", "dp-bucket"), ("pp_send", "pp-send"), ("pp_recv", "pp-recv")):
-        if _errors(ws, "Communication", prefix):
-            res[f"pred_error_median_comm_{name}{suffix}"] = median(_errors(ws, "Communication", prefix))
+        errs = _errors(ws, "Communication", prefix)
+        if errs:
+            res[f"pred_error_median_comm_{name}{suffix}"] = median(errs)
             res[f"pred_error_hindsight_comm_{name}{suffix}"] = _hindsight_constant_error(ws, prefix)
     return res
 
@@ -188,10 +189,8 @@ def _interleaved(base: Path, name: str, preset: str, steps: int, bucket_cap_mb: 
 
 
 def _small(base: Path, quick: bool) -> dict[str, Any]:
-    """The goal keys on the `small` preset (dim 256, 8 layers: a p=2 m=4 step is ~0.4 s on this CPU,
-    still short of a GPU training step): the window calls cost the same per window as on `debug`,
-    so on `debug`'s ~43 ms steps they weigh ten times as much as here. Buckets of 2 MB give the
-    `small` model about as many DDP buckets per step (11) as 0.05 MB give `debug` (12)."""
+    """The goal keys on the `small` preset (why this model: the module docstring): the interleaved
+    overhead run, its bubble and pipeline-transfer windows, and a data=2 run's DDP buckets."""
     res: dict[str, Any] = {}
     root, il = _interleaved(base, "small-interleaved", "small", 16 if quick else 300, SMALL_BUCKET_MB)
     res["instrumentation_overhead_ratio"] = il["ratio"]
