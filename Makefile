@@ -10,14 +10,16 @@ STAMP := $(VENV)/.installed
 QUICK ?=
 PYTEST_ARGS ?=
 KUBE_CACHE ?= $(HOME)/.cache/spectrain/kube
+BENCHES := $(sort $(basename $(notdir $(filter-out bench/__init__.py bench/common.py,$(wildcard bench/*.py)))))
 
 .DEFAULT_GOAL := help
 .PHONY: help install test test-unit test-integration test-e2e lint typecheck verify demo demo-rl \
-        kube-binaries crds docs clean bench-ring bench-target bench-harvest bench-rollout bench-rl \
-        bench-basis_rotation bench-operator
+        kube-binaries kube-binaries-legacy crds docs clean gpu-check $(BENCHES:%=bench-%)
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 22
+	@printf '%-22sbench/<name>.py (QUICK=1: the <60 s version) -> bench/results/<name>.json\n' 'bench-<name>'
+	@printf '%-22s%s\n' '' '$(BENCHES:%=bench-%)'
 
 $(STAMP): pyproject.toml
 	$(PY_BOOT) -m venv $(VENV)
@@ -39,14 +41,18 @@ test-integration: $(STAMP) kube-binaries ## integration tier only
 test-e2e: $(STAMP) ## e2e against the cluster in KUBECONFIG
 	$(PY) -m pytest tests -m e2e --e2e $(PYTEST_ARGS)
 
-kube-binaries: ## build kube-apiserver + controller-manager 1.20 from Debian source once (cached in ~/.cache)
+kube-binaries: ## build kube-apiserver/-controller-manager/-scheduler, etcd, kwok (scripts/kube/go.mod) once from the Go module proxy
+	bash scripts/build-kube-current.sh
+
+kube-binaries-legacy: ## the old 1.20 tier from Debian source (~11 min), for SPECTRAIN_KUBE=1.20 and the below-range test
 	KUBE_CACHE=$(KUBE_CACHE) bash scripts/build-kube.sh
 
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check operator workloads tests bench scripts
 
-typecheck: $(STAMP) ## mypy on the operator and the ring
-	$(VENV)/bin/mypy operator/spectrain_operator workloads/spectrain_workloads/ring
+typecheck: $(STAMP) ## mypy on the operator, the ring, the contract and the drafter fleet
+	$(VENV)/bin/mypy operator/spectrain_operator workloads/spectrain_workloads/ring \
+	  workloads/spectrain_workloads/{contract,config,runtime}.py workloads/spectrain_workloads/drafter/{fleet,links,replicas}.py
 
 verify: $(STAMP) ## regenerate derived files (helm CRD copy, docs) and fail on a diff
 	$(PY) scripts/gen.py
@@ -61,8 +67,14 @@ demo-rl: $(STAMP) ## run examples/demo-rl.yaml locally (mode RL, ~70 s)
 	rm -rf runs/demo-rl
 	$(VENV)/bin/spectrain run examples/demo-rl.yaml --run-dir runs/demo-rl --report
 
-bench-%: $(STAMP) ## bench-<name>: run bench/<name>.py (QUICK=1 for the <60 s version); writes bench/results/<name>.json
+# Explicit targets, not a pattern rule: GNU make never applies a pattern rule to a phony target.
+$(BENCHES:%=bench-%): bench-%: $(STAMP)
 	$(PY) -m bench.$* $(if $(QUICK),--quick,)
+
+# On a lent GPU machine: its own python3 and torch, no venv, nothing installed (GPU_PY overrides).
+GPU_PY ?= python3
+gpu-check: ## every CUDA path in one run (<= 8 min) -> bench/results/gpu.json + gpu.log; no CUDA: all skipped
+	PYTHONPATH=operator:workloads:. $(GPU_PY) scripts/gpu_check.py
 
 clean: ## remove the venv, runs and caches (not the kube binaries in ~/.cache)
 	rm -rf $(VENV) runs bench/results .pytest_cache .mypy_cache .ruff_cache

@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import print_table, write_results
-from spectrain_workloads.async_pipeline import delays, simulate, stage_named_params
 from spectrain_workloads.config import BasisRotationSpec, OptimizerSpec
 from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
 from spectrain_workloads.model import ModelConfig, Transformer
 from spectrain_workloads.optim import BETAS, EPS, WEIGHT_DECAY, PipeDreamLR, build_optimizer, param_groups
+from spectrain_workloads.target.async_pipeline import delays, simulate, stage_named_params
 
 
 @dataclass(kw_only=True)

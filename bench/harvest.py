@@ -20,6 +20,13 @@ acceptance_offline     the same drafter trained offline (no windows, back to bac
 acceptance_ratio       online / offline
 
 Run: python -m bench.harvest [--quick]   (make bench-harvest [QUICK=1])
+
+SPECTRAIN_DEVICE=cuda (`make gpu-check`): the drafter trains on the GPU and the target's compute is
+bf16 matmuls on the same GPU (`_GpuTarget`, timed to completion), so the slowdown is the drafter's
+kernels competing with the target's. When the caller started an MPS daemon (CUDA_MPS_PIPE_DIRECTORY set)
+both are its clients and the drafter runs under the caps a pod's drafter gets by default
+(gpu_sharing.drafter_mps_env: 30 % of the SMs, 8 GiB pinned). The offline baseline trains on the GPU
+too. Same keys, in bench/results/harvest_gpu.json.
 """
 
 from __future__ import annotations
@@ -57,6 +64,42 @@ REPO = Path(__file__).resolve().parents[1]
 CFG = model_config("debug", {"n_layers": 2, "max_seq_len": 64})
 SEQ = 64
 SETTINGS = {"checkpoint_every_s": 5.0, "verify_every_s": 2.0}
+DEVICE = "cuda" if os.environ.get("SPECTRAIN_DEVICE") == "cuda" else "cpu"   # benches run on CPU by default
+GPU_N = 4096        # target matmul size on the GPU: ~0.25 ms each on an H100-class GPU, ~10 ms for 40
+
+
+class _GpuTarget(SyntheticTarget):
+    """The synthetic target with its compute on the GPU, synchronized so its time includes the kernels."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._a = torch.randn(GPU_N, GPU_N, device="cuda", dtype=torch.bfloat16) / GPU_N ** 0.5
+
+    def _compute(self) -> float:
+        t0 = time.perf_counter()
+        x = self._a
+        while (time.perf_counter() - t0) * 1e3 < self.spec.compute_ms:
+            x = torch.tanh(x @ self._a)
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def _fixed_compute(self, iters: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x = self._a
+        for _ in range(iters):
+            x = torch.tanh(x @ self._a)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+def _drafter_mps_caps() -> dict[str, str]:
+    """Under MPS, the drafter's default caps (module docstring): its share of the GPU, as in a pod."""
+    if DEVICE != "cuda" or not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        return {}
+    from spectrain_operator.gpu_sharing import drafter_mps_env
+
+    return drafter_mps_env({"spec": {"gpuSharing": {"mode": "PodLocalMPS", "gpusPerNode": 1}}})
 
 
 def _drafter(root: Path) -> subprocess.Popen[bytes]:
@@ -64,8 +107,8 @@ def _drafter(root: Path) -> subprocess.Popen[bytes]:
     cfg.write_text(json.dumps({"spec": {"drafter": {"activation": {"safetyMarginMs": 1}}}}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")]),
            "SPECTRAIN_CONFIG": str(cfg), "SPECTRAIN_RING_DIR": str(root / "ring"),
-           "SPECTRAIN_RUN_DIR": str(root / "run"), "SPECTRAIN_DEVICE": "cpu",
-           "SPECTRAIN_DRAFTER_SETTINGS": json.dumps(SETTINGS)}
+           "SPECTRAIN_RUN_DIR": str(root / "run"), "SPECTRAIN_DEVICE": DEVICE,
+           "SPECTRAIN_DRAFTER_SETTINGS": json.dumps(SETTINGS), **_drafter_mps_caps()}
     return subprocess.Popen([sys.executable, "-m", "spectrain_workloads.drafter.sidecar"], env=env,
                             stdout=open(root / "drafter.log", "ab"), stderr=subprocess.STDOUT)
 
@@ -94,7 +137,7 @@ def _offline_acceptance(target: SyntheticTarget, steps: int, samples: int, eval_
     m = target.model
     shared = TargetShared(embedding=m.tok_embeddings.weight.detach(), lm_head=m.output.weight.detach(),
                           model_config=CFG, digest=config_digest(CFG.to_dict()), stamp=())
-    tr = DrafterTrainer(s, shared, torch.device("cpu"))
+    tr = DrafterTrainer(s, shared, torch.device(DEVICE))
     seqs: list[tuple[torch.Tensor, torch.Tensor, int]] = []
     for step in range(steps):
         tokens = text_sequences(target.spec.data_per_step, SEQ, seed=target.spec.seed, offset=step)
@@ -114,7 +157,7 @@ def _offline_acceptance(target: SyntheticTarget, steps: int, samples: int, eval_
         if acc_n >= s.samples_per_step:
             tr.optimizer_step(acc_n)
             acc_n = 0
-    return measure(tr.model, eval_data, None, k=4).acceptance_length
+    return measure(tr.model.cpu(), eval_data, None, k=4).acceptance_length
 
 
 def main() -> None:
@@ -126,7 +169,8 @@ def main() -> None:
     spec = SyntheticSpec(windows=[WindowSpec(kind="Bubble", duration_ms=60.0, jitter=0.1),
                                   WindowSpec(kind="Imbalance", duration_ms=40.0, predicted=False, jitter=0.2)],
                          compute_ms=10.0, data_per_step=2, seq_len=SEQ, seed=0)
-    target = SyntheticTarget(run_dir=root / "run", ring_path=root / "ring" / "ring-0", spec=spec, cfg=CFG)
+    target_cls = _GpuTarget if DEVICE == "cuda" else SyntheticTarget
+    target = target_cls(run_dir=root / "run", ring_path=root / "ring" / "ring-0", spec=spec, cfg=CFG)
     proc = _drafter(root)
     try:
         while not any(e["event"] == "calibrated" for e in _events(root)):
@@ -180,9 +224,10 @@ def main() -> None:
         "windows_worked": summary["windowsWorked"],
         "harvested_s_by_kind": summary["harvestedSecondsByKind"],
     }
-    print_table("bench-harvest" + (" (quick)" if args.quick else ""),
+    name = "harvest" if DEVICE == "cpu" else "harvest_gpu"
+    print_table(f"bench-{name}" + (" (quick)" if args.quick else ""),
                 {k: v for k, v in results.items() if not isinstance(v, dict)})
-    write_results("harvest", results, args.quick)
+    write_results(name, results, args.quick)
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -1,7 +1,8 @@
-"""bench-operator: the operator against a real kube-apiserver 1.20 + etcd (BENCHMARKS.md keys).
+"""bench-operator: the operator against a real kube-apiserver + etcd (BENCHMARKS.md keys).
 
 The control plane is the integration tier's (tests/integration/kubeapi.py, binaries from
-`make kube-binaries`); the operator is `python -m spectrain_operator --standalone` as a child
+`make kube-binaries`: the release of scripts/kube/go.mod; results before 2026-12-01 were measured on
+1.20, which the operator now refuses); the operator is `python -m spectrain_operator --standalone` as a child
 process, authenticated as its own user (`spectrain-operator`, group system:masters), so that the
 apiserver's audit log tells its requests apart from the bench's. The bench plays the kubelet.
 

@@ -12,12 +12,22 @@ batchThreshold 32, maxDraftTokens 8) engines are warmed up once (the controller 
 table there, as a long-running engine does), then run as `reps` interleaved pairs in ABBA order;
 speedup = median over pairs of plain time / adaptive time (robust to the load of a shared machine).
 acceptance_length: tokens per row-verification at batch 1 (median over repetitions).
+
+SPECTRAIN_DEVICE=cuda (`make gpu-check`): models trained (cached per device) and run on the GPU, where
+the engine replays its decode steps as CUDA graphs. The plain engine gets its own copy of the target
+there: engines that take turns on one module re-set up its KV caches, which drops their captured graphs,
+and a long-running engine keeps them. Results in bench/results/rollout_gpu.json, plus
+cuda_graphs_captured and greedy_rows_identical (the fraction of rows whose speculative output equals
+plain decoding: on the GPU, kernels for different query lengths may round differently, so a near-tie
+can flip a greedy token; recorded there, asserted on the CPU).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -28,7 +38,7 @@ import torch
 from bench.common import RESULTS_DIR, median, parse_args, print_table, write_results
 from spectrain_workloads.data import load_corpus
 from spectrain_workloads.model import Transformer, model_config
-from spectrain_workloads.rollout import RolloutConfig, RolloutEngine
+from spectrain_workloads.rl.rollout import RolloutConfig, RolloutEngine
 
 CACHE_DIR = RESULTS_DIR / "cache"
 TARGET = {"preset": "debug", "overrides": {"dim": 128, "n_layers": 8, "n_heads": 4}}
@@ -36,12 +46,13 @@ DRAFTER = {"preset": "debug", "overrides": {"dim": 64, "n_layers": 1, "n_heads":
 TRAIN = {"source": "builtin:python-stdlib", "max_bytes": 4 << 20, "seq": 96, "batch": 16, "steps": 200,
          "lr": 3e-3, "seed": 0, "distil_prompts": 192, "distil_new": 96, "distil_steps": 600, "distil_lr": 3e-3}
 PROMPT_LEN = 32
+DEVICE = "cuda" if os.environ.get("SPECTRAIN_DEVICE") == "cuda" else "cpu"   # benches run on CPU by default
 
 
 def build(spec: dict[str, Any], seed: int) -> Transformer:
     m = Transformer(model_config(spec["preset"], spec["overrides"], vocab_size=264))
     m.init_weights(seed)
-    return m
+    return m.to(DEVICE)
 
 
 def text_prompts(corpus: torch.Tensor, n: int, seed: int, length: int = PROMPT_LEN) -> list[list[int]]:
@@ -61,7 +72,7 @@ def train_target(target: Transformer, corpus: torch.Tensor, cfg: dict[str, Any])
     loss = torch.zeros(())
     for i in range(cfg["steps"]):
         idx = torch.randint(0, train_end, (cfg["batch"],), generator=gen)
-        x = torch.stack([corpus[j: j + cfg["seq"] + 1] for j in idx.tolist()])
+        x = torch.stack([corpus[j: j + cfg["seq"] + 1] for j in idx.tolist()]).to(DEVICE)
         loss = torch.nn.functional.cross_entropy(target(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -81,7 +92,8 @@ def distil(target: Transformer, drafter: Transformer, corpus: torch.Tensor, cfg:
                for s in (rng.randrange(0, train_end) for _ in range(cfg["distil_prompts"]))]
     eng = RolloutEngine(target, RolloutConfig(max_new_tokens=cfg["distil_new"], temperature=0, eos_id=None,
                                               speculative=False))
-    seqs = torch.tensor([s for i in range(0, len(prompts), 64) for s in eng.generate(prompts[i: i + 64]).sequences])
+    rows = [s for i in range(0, len(prompts), 64) for s in eng.generate(prompts[i: i + 64]).sequences]
+    seqs = torch.tensor(rows, device=DEVICE)
     with torch.no_grad():
         soft = torch.cat([torch.softmax(target(seqs[i: i + 32]).float(), -1) for i in range(0, len(seqs), 32)])
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg["distil_lr"], weight_decay=0.0)
@@ -100,13 +112,14 @@ def distil(target: Transformer, drafter: Transformer, corpus: torch.Tensor, cfg:
 
 def trained_models() -> tuple[Transformer, Transformer, torch.Tensor, dict[str, Any]]:
     """(target, drafter, corpus, info), from the cache when this exact configuration was trained before."""
-    key = hashlib.sha1(json.dumps({"target": TARGET, "drafter": DRAFTER, "train": TRAIN, "v": 1},
+    on_gpu = {"device": "cuda"} if DEVICE == "cuda" else {}     # GPU-trained weights differ: their own entry
+    key = hashlib.sha1(json.dumps({"target": TARGET, "drafter": DRAFTER, "train": TRAIN, "v": 1, **on_gpu},
                                   sort_keys=True).encode()).hexdigest()[:12]
     path: Path = CACHE_DIR / f"rollout-{key}.pt"
     corpus = torch.from_numpy(load_corpus(TRAIN["source"], max_bytes=TRAIN["max_bytes"]).astype("int64"))
     target, drafter = build(TARGET, 0), build(DRAFTER, 1)
     if path.exists():
-        blob = torch.load(path, weights_only=True)
+        blob = torch.load(path, weights_only=True, map_location=DEVICE)
         target.load_state_dict(blob["target"])
         drafter.load_state_dict(blob["drafter"])
         info = {**json.loads(blob["info"]), "cached": True}
@@ -137,13 +150,16 @@ def main() -> None:
     print(f"models: {info}")
     results: dict[str, float] = {}
     detail: dict[str, Any] = {}
+    rows_identical, graphs = 0, 0
     for bs in (1, 4, 16, 64):
         prompts = text_prompts(corpus, bs, seed=100 + bs)
         cfg = RolloutConfig(max_new_tokens=new, temperature=0, eos_id=None, max_draft_tokens=8, batch_threshold=32)
-        plain = RolloutEngine(target, cfg, None)
+        plain = RolloutEngine(copy.deepcopy(target) if DEVICE == "cuda" else target, cfg, None)
         spec = RolloutEngine(target, cfg, drafter)
         ref = plain.generate(prompts).sequences                  # warm-up both
-        assert spec.generate(prompts).sequences == ref, "speculative greedy output differs from plain"
+        out = spec.generate(prompts).sequences
+        assert DEVICE == "cuda" or out == ref, "speculative greedy output differs from plain"
+        rows_identical += sum(a == b for a, b in zip(out, ref, strict=True))
         tp, ts, acc, ks = [], [], [], []
         for i in range(reps):                                   # pairs in ABBA order: drift cancels
             for which in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
@@ -158,12 +174,17 @@ def main() -> None:
         if bs == 1:
             results["acceptance_length"] = median(acc)
         used = {k: ks.count(k) for k in sorted(set(ks))}
+        graphs += sum(len(e.graphs.graphs) for e in (plain, spec) if e.graphs is not None)
         detail[f"bs{bs}"] = {"plain_ms": median(tp) * 1e3, "adaptive_ms": median(ts) * 1e3,
                              "acceptance_length": median(acc), "draft_lengths_used": used}
         print(f"bs{bs}: plain {median(tp) * 1e3:.1f} ms, adaptive {median(ts) * 1e3:.1f} ms, "
               f"acceptance {median(acc):.2f}, draft length: steps {used}", flush=True)
     results["min_speedup"] = min(results[f"speedup_bs{b}"] for b in (1, 4, 16, 64))
-    write_results("rollout", {**results, "detail": detail, "models": info}, quick)
+    if DEVICE == "cuda":
+        results["cuda_graphs_captured"] = graphs
+        results["greedy_rows_identical"] = rows_identical / sum((1, 4, 16, 64))
+    name = "rollout" if DEVICE == "cpu" else "rollout_gpu"
+    write_results(name, {**results, "detail": detail, "models": info}, quick)
     print_table("bench-rollout (target 8L dim128 trained on stdlib text, drafter 1L dim64 distilled, greedy)",
                 results)
 

@@ -40,24 +40,80 @@ the pipeline schedule (the executor's span per step, `pipeline_ms`: the optimize
 hand-over and metrics between steps are not part of what the formula describes), averaged over
 stages; the first 2 steps (warm-up, no EMA yet) are left out. On a 2-core machine p = 4 puts two
 stages on each core, so its bubble fraction is not the schedule's (stages also wait for CPU).
+
+SPECTRAIN_DEVICE=cuda (`make gpu-check`): only the goal keys (the `small` runs, full step counts), ranks
+on CUDA, written to bench/results/target_gpu.json with the same key names. With fewer GPUs than ranks
+the ranks share GPU 0: NCCL refuses two ranks on one device and gloo sends host memory only, so their
+process group is gloo, DDP all-reduces on gloo's CUDA path, and point-to-point transfers go through host
+memory (`_SHARED_GPU`, loaded into each rank as a sitecustomize); with a GPU per rank nothing changes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.common import median, parse_args, percentile, print_table, write_results
-from spectrain_workloads.launch import launch_local, wait_all
+from tests.launch import launch_local, wait_all
 
 WARMUP = 2
 INTERLEAVE = 4      # steps per on/off block of the interleaved overhead run
 SEQ = 128
 DEBUG_BUCKET_MB = "0.05"   # DDP bucket cap: 12 buckets per step of the debug model
 SMALL_BUCKET_MB = "2"      # ... 11 of the small model
+DEVICE = "cuda" if os.environ.get("SPECTRAIN_DEVICE") == "cuda" else "cpu"   # benches run on CPU by default
+
+# Ranks sharing one GPU (module docstring): the trainer's calls, redirected to what gloo can do.
+_SHARED_GPU = '''
+import torch
+import torch.distributed as dist
+
+_init, _isend, _irecv, _recv = dist.init_process_group, dist.isend, dist.irecv, dist.recv
+
+
+def _gloo(backend=None, *args, **kwargs):
+    return _init("gloo", *args, **kwargs)
+
+
+def _host_isend(tensor, *args, **kwargs):
+    return _isend(tensor.detach().cpu() if tensor.is_cuda else tensor, *args, **kwargs)
+
+
+class _HostRecv:
+    def __init__(self, work, host, dest):
+        self.work, self.host, self.dest = work, host, dest
+
+    def wait(self, *args, **kwargs):
+        self.work.wait(*args, **kwargs)
+        self.dest.copy_(self.host)
+        return True
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+
+def _host_irecv(tensor, *args, **kwargs):
+    if not tensor.is_cuda:
+        return _irecv(tensor, *args, **kwargs)
+    host = torch.empty_like(tensor, device="cpu")
+    return _HostRecv(_irecv(host, *args, **kwargs), host, tensor)
+
+
+def _host_recv(tensor, *args, **kwargs):
+    if not tensor.is_cuda:
+        return _recv(tensor, *args, **kwargs)
+    host = torch.empty_like(tensor, device="cpu")
+    src = _recv(host, *args, **kwargs)
+    tensor.copy_(host)
+    return src
+
+
+dist.init_process_group, dist.isend, dist.irecv, dist.recv = _gloo, _host_isend, _host_irecv, _host_recv
+'''
 
 
 def _config(path: Path, *, data: int, pipeline: int, microbatches: int, steps: int, seq_len: int,
@@ -74,9 +130,24 @@ def _config(path: Path, *, data: int, pipeline: int, microbatches: int, steps: i
     return path
 
 
+def _shared_gpu_env(root: Path, world: int) -> dict[str, str]:
+    """On CUDA with fewer GPUs than ranks: a PYTHONPATH whose sitecustomize is `_SHARED_GPU`."""
+    if DEVICE != "cuda":
+        return {}
+    import torch
+
+    if torch.cuda.device_count() >= world:
+        return {}
+    site = root / "shared-gpu"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(_SHARED_GPU)
+    paths = (str(site), str(Path(__file__).resolve().parents[1] / "workloads"), os.environ.get("PYTHONPATH"))
+    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
 def _run(root: Path, cfg: Path, world: int, env: dict[str, str]) -> Path:
-    procs = launch_local(cfg, world, root, root / "ring",
-                         env={"SPECTRAIN_DATA_MAX_BYTES": str(1 << 20), **env})
+    env = {"SPECTRAIN_DATA_MAX_BYTES": str(1 << 20), **_shared_gpu_env(root, world), **env}
+    procs = launch_local(cfg, world, root, root / "ring", device=DEVICE, env=env)
     codes = wait_all(procs, 600)
     if codes != [0] * world:
         raise RuntimeError(f"bench run failed {codes}: see {root}/logs")
@@ -276,9 +347,11 @@ def main() -> None:
     args = parse_args(__doc__ or "")
     with tempfile.TemporaryDirectory(prefix="bench-target-") as tmp:
         res = _small(Path(tmp), args.quick)
-        res.update(_debug(Path(tmp), args.quick))
-    write_results("target", res, args.quick)
-    print_table("bench-target" + (" (quick)" if args.quick else ""), res)
+        if DEVICE == "cpu":
+            res.update(_debug(Path(tmp), args.quick))
+    name = "target" if DEVICE == "cpu" else "target_gpu"
+    write_results(name, res, args.quick)
+    print_table(f"bench-{name}" + (" (quick)" if args.quick else ""), res)
 
 
 if __name__ == "__main__":

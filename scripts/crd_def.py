@@ -2,17 +2,22 @@
 crds/spectrain.io_spectrainjobs.yaml (the committed artifact everything else reads: the operator,
 `spectrain validate`, the chart, docs/api.md). Edit here, run `python scripts/gen.py`, commit both.
 
-Helpers keep every field's description next to its type, default and bounds; API.md is the contract.
+Helpers keep every field's description next to its type and bounds; API.md is the contract. The
+enums come from `spectrain_workloads.contract` and the defaults of every field the workloads read
+from `spectrain_workloads.config`'s dataclasses (`workload_defaults`): a default written here too
+must be the same, or generation fails.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import re
+from typing import Any, get_type_hints
 
-GROUP = "spectrain.io"
-VERSION = "v1alpha1"
-KIND = "SpecTrainJob"
-PLURAL = "spectrainjobs"
+from spectrain_workloads import config as W
+from spectrain_workloads import contract as C
+from spectrain_workloads.contract import GROUP, KIND, PLURAL, VERSION
+
 # Longest child-name suffix the operator uses is "-config"/"-status" (7) and pods "-<node>" with
 # node < 1024 (5); gang/DRA objects add up to "-<node>-gpu" (9). 63 - 11 leaves 52 characters.
 MAX_NAME_LENGTH = 52
@@ -24,11 +29,8 @@ QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numk
 # so a 1.20 apiserver enforces it too; the CEL rule carries the message).
 REL_PATH_SEGMENT = r"([^/.][^/]*|\.|\.[^./][^/]*|\.\.[^/]+)"
 REL_PATH_PATTERN = rf"^{REL_PATH_SEGMENT}(/{REL_PATH_SEGMENT})*$"
-WINDOW_KINDS = ["Bubble", "Communication", "Imbalance", "RolloutTail"]
-PHASES = ["Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 CONDITION_TYPES = ["Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed",
                    "DrafterActive", "DrafterDegraded", "SpecInvalid", "CheckpointEphemeral"]
-PRESETS = ["debug", "small", "125m", "1b", "7b"]
 
 
 def s(desc: str, **kw: Any) -> dict[str, Any]:
@@ -105,28 +107,29 @@ def spec_schema() -> dict[str, Any]:
                       "one forward one backward) idle (p-1)/(m+p-1) of a step; Interleaved1F1B gives each "
                       "rank 2 model chunks (virtual stages; needs pipeline >= 2 and 2 * pipeline dividing "
                       "the layer count) and idles (p-1)/(2m+p-1).",
-                      default="1F1B", enum=["GPipe", "1F1B", "Interleaved1F1B"]),
+                      default="1F1B", enum=list(C.SCHEDULES)),
     }, default={})
     basis = o("Basis-rotation optimizer settings; read only when optimizer.name is BasisRotation.", {
         "refreshEvery": i("Steps between eigenbasis refreshes.", default=10, minimum=1, maximum=1000000),
         "stageAware": b("Refresh earlier (staler) pipeline stages more often.", default=True),
         "geometry": s("Rotate one side or both sides of each weight matrix.", default="Bilateral",
-                      enum=["Bilateral", "Unilateral"]),
+                      enum=list(C.BASIS_GEOMETRIES)),
         "source": s("Moment whose eigenbasis defines the rotation.", default="SecondMoment",
-                    enum=["SecondMoment", "FirstMoment"]),
+                    enum=list(C.BASIS_SOURCES)),
     }, default={})
     rl = o("Reinforcement-learning settings; required when mode is RL, forbidden otherwise.", {
         "task": s("Task with verifiable rewards the workloads ship.", default="arithmetic",
-                  enum=["arithmetic", "copy", "sort"]),
+                  enum=list(C.RL_TASKS)),
         "groupSize": i("Rollouts per prompt (GRPO group).", default=8, minimum=2, maximum=4096),
         "maxNewTokens": i("Longest rollout, in tokens.", default=512, minimum=1, maximum=1048576),
         "temperature": n("Sampling temperature; 0 is greedy.", default=1.0, minimum=0, maximum=100),
         "speculative": o("Speculative decoding of rollouts with the drafter.", {
             "enabled": b("Use the drafter to speculate rollouts (lossless).", default=True),
-            "maxDraftTokens": i("Most tokens drafted per verification.", default=8, minimum=1, maximum=32),
+            "maxDraftTokens": i("Most tokens drafted per verification.", default=8, minimum=1,
+                                  maximum=C.MAX_DRAFT_TOKENS),
             "batchThreshold": i("Speculate only while the active batch is at most this.", default=32,
                                 minimum=1, maximum=1048576),
-            "strategy": s("How the draft length is chosen.", default="Bandit", enum=["Bandit", "Fixed"]),
+            "strategy": s("How the draft length is chosen.", default="Bandit", enum=list(C.DRAFT_STRATEGIES)),
         }, default={}),
     })
     target = o("The training job whose idle time is harvested. Immutable once created.", {
@@ -140,7 +143,7 @@ def spec_schema() -> dict[str, Any]:
         "procsPerNode": i("Ranks per pod.", default=1, minimum=1, maximum=64),
         "parallelism": parallelism,
         "model": o("The target model.", {
-            "preset": s("Model preset.", default="debug", enum=PRESETS),
+            "preset": s("Model preset.", default="debug", enum=list(C.TARGET_PRESETS)),
             "overrides": o("Free-form model config overrides, preserved as given.", default={},
                            **{"x-kubernetes-preserve-unknown-fields": True}),
         }, default={}),
@@ -153,7 +156,7 @@ def spec_schema() -> dict[str, Any]:
                            maximum=1048576),
         }, default={}),
         "optimizer": o("Target optimizer.", {
-            "name": s("Optimizer.", default="AdamW", enum=["AdamW", "BasisRotation"]),
+            "name": s("Optimizer.", default="AdamW", enum=list(C.OPTIMIZERS)),
             "lr": n("Learning rate (> 0).", default=0.0003, minimum=0, exclusiveMinimum=True, maximum=100),
             "basisRotation": basis,
         }, default={}),
@@ -176,17 +179,18 @@ def spec_schema() -> dict[str, Any]:
         "enabled": b("Run the drafter sidecar.", default=True),
         "image": s("Drafter image; empty: target.image.", maxLength=1024),
         "arch": s("Eagle: one decoder layer on the target's hidden states; LM: a small standalone LM.",
-                  default="Eagle", enum=["Eagle", "LM"]),
-        "preset": s("Model preset of the drafter.", default="debug", enum=PRESETS),
+                  default="Eagle", enum=list(C.DRAFTER_ARCHS)),
+        "preset": s("Training preset of the drafter (its size and batch settings).", default="debug",
+                    enum=list(C.DRAFTER_PRESETS)),
         "activation": o("When the drafter may use the GPU.", {
             "policy": s("IdleOnly: only inside target idle windows; Always: continuously; Off: never.",
-                        default="IdleOnly", enum=["IdleOnly", "Always", "Off"]),
+                        default="IdleOnly", enum=list(C.ACTIVATION_POLICIES)),
             "minWindowMs": n("Shortest window worth using, ms; 0: measured by the drafter itself.",
                              default=0, minimum=0, maximum=3600000),
             "safetyMarginMs": n("Time left unused at the end of a window, ms.", default=2, minimum=0,
                                 maximum=3600000),
             "kinds": a("Idle-window kinds the drafter uses; non-empty, no duplicates.",
-                       s("A window kind.", enum=WINDOW_KINDS), default=list(WINDOW_KINDS),
+                       s("A window kind.", enum=list(C.WINDOW_KINDS)), default=list(C.WINDOW_KINDS),
                        minItems=1, maxItems=4, **{"x-kubernetes-list-type": "set",
                                                   "x-kubernetes-validations": [
                     rule("self.all(k, self.exists_one(j, j == k))",
@@ -208,6 +212,17 @@ def spec_schema() -> dict[str, Any]:
                           rule("!self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')",
                                "spec.drafter.export.path must be relative and must not contain '..'")]}),
         }, default={}),
+        "exchange": o("How the drafters of a job work as one: the last pipeline stage's drafters share the "
+                      "samples they read with the other stages' drafters, and every drafter's replica is "
+                      "averaged into the one exported model (docs/design.md, the drafter fleet).", {
+            "enabled": b("Exchange samples and combine the replicas; false: each drafter trains alone and "
+                         "only the exporting rank's work reaches the export."),
+            "bandwidthMBps": n("Most megabytes per second a drafter sends to its peers (samples and weights); "
+                               "past it samples are dropped, never queued without bound.",
+                               minimum=0, exclusiveMinimum=True, maximum=100000),
+            "combineEverySeconds": n("Seconds between two rounds of averaging the drafters' replicas.",
+                                     minimum=1, maximum=86400),
+        }, default={}),
         "maxFailures": i("Drafter crashes tolerated per rank before it is disabled (condition DrafterDegraded).",
                          default=3, minimum=0, maximum=1000),
         "resources": resources("Compute resources of the drafter container."),
@@ -226,7 +241,7 @@ def spec_schema() -> dict[str, Any]:
             "runAsUser": i("UID shared by all containers (MPS requires one user).", default=1000, minimum=0,
                            maximum=2147483647),
         }, default={}),
-    }, default={}, rules=[rule("(self.mode == 'None') == (self.gpusPerNode == 0)",
+    }, default={"mode": "None", "gpusPerNode": 0}, rules=[rule("(self.mode == 'None') == (self.gpusPerNode == 0)",
                                "spec.gpuSharing.gpusPerNode must be 0 iff spec.gpuSharing.mode is None")])
     failure_rule = o("A failure-policy rule.", {
         "action": s("What to do when the rule matches.", enum=["FailJob", "RestartJob", "RestartJobIgnoreMax",
@@ -269,7 +284,7 @@ def spec_schema() -> dict[str, Any]:
     }, default={})
     return o("Desired state of the SpecTrainJob.", {
         "suspend": b("true: no pods exist; flipping back resumes from the last checkpoint.", default=False),
-        "mode": s("Training mode.", default="Pretrain", enum=["Pretrain", "RL", "AsyncPipeline"]),
+        "mode": s("Training mode.", default="Pretrain", enum=list(C.MODES)),
         "seed": i("Random seed of the workloads.", default=0, minimum=0, maximum=2147483647),
         "target": target,
         "drafter": drafter,
@@ -299,7 +314,7 @@ def status_schema() -> dict[str, Any]:
         "observedGeneration": i("Generation the condition was set for.", minimum=0),
     }, required=["type", "status"])
     return o("Observed state, written by the operator once per reconcile pass.", {
-        "phase": s("Lifecycle phase.", enum=PHASES),
+        "phase": s("Lifecycle phase.", enum=list(C.PHASES)),
         "observedGeneration": i("metadata.generation the operator last acted on.", minimum=0),
         "conditions": a("Conditions: " + ", ".join(CONDITION_TYPES) + ".", cond,
                         **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}),
@@ -358,7 +373,41 @@ def status_schema() -> dict[str, Any]:
     })
 
 
+def _dataclass_in(hint: Any) -> type | None:
+    if dataclasses.is_dataclass(hint):
+        return hint  # type: ignore[return-value]
+    return next((a for a in getattr(hint, "__args__", ()) if dataclasses.is_dataclass(a)), None)
+
+
+def workload_defaults(node: dict[str, Any], cls: type, path: str, skip: tuple[str, ...] = ()) -> None:
+    """Give every optional leaf field of `node` that `cls` (a config dataclass) reads the dataclass's
+    default; one the CRD lacks, or a default written in both places that differs, is an error."""
+    hints = get_type_hints(cls)
+    required = set(node.get("required", []))
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in skip:
+            continue
+        key = re.sub(r"_([a-z])", lambda m: m.group(1).upper(), f.name)
+        prop = (node.get("properties") or {}).get(key)
+        if prop is None:
+            raise ValueError(f"{path}.{key}: the workloads read it ({cls.__name__}.{f.name}) but the CRD lacks it")
+        sub = _dataclass_in(hints[f.name])
+        if sub is not None:
+            workload_defaults(prop, sub, f"{path}.{key}")
+            continue
+        value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if key in required or value in ("", None) or prop.get("x-kubernetes-preserve-unknown-fields"):
+            continue
+        value = list(value) if isinstance(value, tuple) else value
+        if "default" in prop and prop["default"] != value:
+            raise ValueError(f"{path}.{key}: default {prop['default']!r} here, {value!r} in "
+                             f"{cls.__name__}.{f.name}: keep the one in spectrain_workloads/config.py")
+        prop["default"] = value
+
+
 def crd() -> dict[str, Any]:
+    spec = spec_schema()
+    workload_defaults(spec, W.JobConfig, "spec", skip=("name", "namespace"))
     schema = o("SpecTrainJob trains a speculative-decoding drafter in the idle GPU time of an LLM training job.", {
         "apiVersion": s("Versioned schema of this object."),
         "kind": s("REST resource kind of this object."),
@@ -368,7 +417,7 @@ def crd() -> dict[str, Any]:
             "name": s(f"Job name: a DNS-1035 label of at most {MAX_NAME_LENGTH} characters so every child "
                       "name stays a valid DNS label.", maxLength=MAX_NAME_LENGTH, pattern=NAME_PATTERN),
         }},
-        "spec": spec_schema(),
+        "spec": spec,
         "status": status_schema(),
     }, required=["spec"], rules=[
         rule(f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",

@@ -4,6 +4,10 @@
     python -m spectrain_operator --namespace team-a   # only these namespaces (repeatable, globs ok)
     python -m spectrain_operator --standalone         # no peering (single replica, tests)
 
+At start the operator reads the API server's version: below kube.MIN_SERVER_VERSION (1.29) it logs
+why and exits with code 3 (kube.EXIT_UNSUPPORTED_SERVER) before serving liveness, so the pod's
+liveness probe fails and the pod shows CrashLoopBackOff with the reason in its log.
+
 HA: run two replicas with the same --peering name (needs kopf's KopfPeering/ClusterKopfPeering
 CRDs); only the highest --priority replica handles objects, the other takes over when it dies.
 """
@@ -11,11 +15,22 @@ CRDs); only the highest --priority replica handles objects, the other takes over
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 import sys
+import time
 
 import kopf
+
+from spectrain_operator.kube import (
+    EXIT_UNSUPPORTED_SERVER,
+    Kube,
+    KubeError,
+    TransientError,
+    UnsupportedServer,
+    check_server_version,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,6 +67,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+log = logging.getLogger("spectrain.operator")
+
+
+def check_server(kube: Kube, timeout: float = 60.0, pause: float = 2.0) -> str:
+    """The API server's version, once it answers (retrying transient errors up to `timeout` s);
+    raises kube.UnsupportedServer below the supported range, kube.KubeError when it never answers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return check_server_version(kube.server_info())
+        except TransientError as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("reading the API server version: %s; retrying", exc)
+            time.sleep(pause)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     kopf.configure(verbose=args.verbose, debug=args.debug,
@@ -65,7 +97,20 @@ def main(argv: list[str] | None = None) -> int:
         # --namespace takes exact names), which keeps the chart's RBAC free of CRD/namespace reads.
         settings.scanning.disabled = True
 
-    from spectrain_operator import handlers, metrics  # noqa: F401  (registers the handlers)
+    from spectrain_operator import handlers, metrics  # registers the handlers
+    from spectrain_operator.reconciler import Reconciler
+
+    kube = Kube.from_environment(os.environ.get("SPECTRAIN_KUBECONFIG") or None)
+    try:
+        version = check_server(kube)
+    except UnsupportedServer as exc:
+        log.error("not starting: %s", exc)
+        return EXIT_UNSUPPORTED_SERVER
+    except KubeError as exc:
+        log.error("not starting: cannot read the Kubernetes API server's version: %s", exc)
+        return 1
+    log.info("Kubernetes API server %s", version)
+    handlers.install(Reconciler(kube))
 
     metrics.serve(args.metrics_port)
     kopf.run(

@@ -38,8 +38,12 @@ DATA_ROOT = "/var/run/spectrain/data"
 MASTER_PORT = 29500
 TARGET_METRICS_PORT = 9400
 DRAFTER_METRICS_PORT = 9401
+DRAFTER_PORT = 29600       # the drafters' exchange (drafter.fleet); local rank i listens on + i
 TARGET_COMMAND = ["spectrain-target"]
 DRAFTER_COMMAND = ["spectrain-drafter"]
+# The workloads write their fatal error line to /dev/termination-log; without one (a crash before
+# the entrypoint ran) the kubelet puts the log's tail there. faults.classify_pod reads it back.
+TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
 
 
 # ---------------------------------------------------------------- names
@@ -88,6 +92,8 @@ def service(job: Obj) -> Obj:
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                      "selector": {LABEL_JOB: job["metadata"]["name"]},
                      "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT,
+                                "protocol": "TCP"},
+                               {"name": "drafter", "port": DRAFTER_PORT, "targetPort": DRAFTER_PORT,
                                 "protocol": "TCP"}]}}
 
 
@@ -145,6 +151,14 @@ def _env(job: Obj, node: int, drafter_on: bool, metrics_port: int) -> list[Obj]:
     return env
 
 
+def _drafter_peers_env(job: Obj) -> list[Obj]:
+    """Every pod's drafter address (`host:port` per node, through the headless Service)."""
+    ns = job["metadata"].get("namespace", "default")
+    peers = ",".join(f"{pod_name(job, n)}.{service_name(job)}.{ns}.svc:{DRAFTER_PORT}"
+                     for n in range(int(job["spec"]["target"]["nodes"])))
+    return [{"name": "SPECTRAIN_DRAFTER_PEERS", "value": peers}]
+
+
 def _mounts(job: Obj, *, data: bool) -> list[Obj]:
     mounts: list[Obj] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
@@ -193,6 +207,7 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
                   {"name": "metrics", "containerPort": TARGET_METRICS_PORT, "protocol": "TCP"}],
         "volumeMounts": _mounts(job, data=True),
         "resources": copy.deepcopy(t.get("resources") or {}),
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
     }
     if t.get("args"):
         target["args"] = list(t["args"])
@@ -203,9 +218,12 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
             "image": d.get("image") or t["image"],
             "command": list(DRAFTER_COMMAND),
             "restartPolicy": "Always",
-            "env": _env(job, node, True, DRAFTER_METRICS_PORT),
+            "env": _env(job, node, True, DRAFTER_METRICS_PORT) + _drafter_peers_env(job),
+            "ports": [{"name": f"drafter-{i}" if i else "drafter", "containerPort": DRAFTER_PORT + i, "protocol": "TCP"}
+                      for i in range(int(t["procsPerNode"]))],
             "volumeMounts": _mounts(job, data=False),
             "resources": copy.deepcopy(d.get("resources") or {}),
+            "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         })
     labels = {LABEL_NODE: str(node), LABEL_GENERATION: str(generation)}
     manifest: Obj = {

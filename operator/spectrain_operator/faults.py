@@ -14,13 +14,13 @@ tell three things apart, from nothing but the pod's status:
   writes its verdict (JSON, see spectrain_workloads.supervisor) as the target container's
   termination message and that verdict is used instead.
 
-Exit-code conventions (the workloads follow them; spectrain_workloads.nvml mirrors the constants):
+Exit-code conventions (spectrain_workloads.contract defines them; the workloads follow them):
 
 | code | meaning |
 |---|---|
 | 0 | success (not a fault) |
 | 1 | uncaught error (a bug, bad data...) |
-| 2 | configuration error: the spec cannot run (ConfigError) |
+| 2 | ``EXIT_CONFIG``: configuration error, the spec cannot run; a target's exit 2 fails the job (reason ConfigError, no restart) unless a rule matches it |
 | 86 | ``EXIT_GPU_FAULT``: the process caught a CUDA / MPS error (cudaErrorMps*, illegal address...) |
 | 128+N | killed by signal N: 134 SIGABRT and 139 SIGSEGV (CUDA driver aborts count as GPU faults), 137 SIGKILL (reason OOMKilled: out of memory), 143 SIGTERM |
 | -1 | ``EXIT_UNKNOWN``: the pod failed with no container exit (eviction, node lost); rules are not consulted |
@@ -29,9 +29,15 @@ Reasons (``PodFault.reason``): TargetFailed, TargetOOMKilled, DrafterFailed, Dra
 MPSDaemonLost, MPSServerLost, PodFailed.
 
 `action_for(fault, job)` returns one of ``FailJob``, ``RestartJob``, ``RestartJobIgnoreMax``,
-``RestartWithoutDrafter`` (the API's failurePolicy actions) or ``Ignore`` (nothing to do now:
+``RestartWithoutDrafter`` (the API's failurePolicy actions), ``Ignore`` (nothing to do now:
 the kubelet restarts the drafter sidecar; surface DrafterDegraded with the fault's reason and
-message). It does not count restarts: applying maxRestarts to RestartJob is the caller's job.
+message) or ``ConfigError`` (the default for a target's exit 2: fail the job now with reason
+ConfigError, never restart it, since the same spec fails the same way; only a default, a rule
+cannot name it). It does not count restarts: applying maxRestarts to RestartJob is the caller's job.
+The workloads write their fatal error line as the termination message
+(spectrain_workloads.exitcodes.write_termination_message; the builders set
+``terminationMessagePolicy: FallbackToLogsOnError``, so without one the kubelet puts the log's tail
+there): ``PodFault.message`` carries it.
 Classification is stateless: a drafter fault stays visible in ``lastState`` after the sidecar
 restarts, so the caller sees it on every pass; ``Ignore`` is idempotent and ``restarts`` tells
 the passes apart.
@@ -45,36 +51,36 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from spectrain_workloads.contract import (
+    EXIT_CONFIG,
+    EXIT_OK,
+    GPU_FAULT_EXIT_CODES,
+    MPS_LOSS_WINDOW_S,
+    SUPERVISOR_VERDICT_KEY,
+)
+from spectrain_workloads.exitcodes import GPU_FAULT_TEXT
+
 TARGET = "target"
 DRAFTER = "drafter"
 MPS = "mps"
 MPS_DAEMON_CONTAINER = "mps-daemon"
 
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_CONFIG = 2
-EXIT_GPU_FAULT = 86
 EXIT_UNKNOWN = -1
-GPU_FAULT_EXIT_CODES = frozenset({EXIT_GPU_FAULT, 134, 139})
 
-MPS_LOSS_WINDOW_S = 30.0
 
 FAIL_JOB = "FailJob"
 RESTART_JOB = "RestartJob"
 RESTART_JOB_IGNORE_MAX = "RestartJobIgnoreMax"
 RESTART_WITHOUT_DRAFTER = "RestartWithoutDrafter"
 IGNORE = "Ignore"
-ACTIONS = (FAIL_JOB, RESTART_JOB, RESTART_JOB_IGNORE_MAX, RESTART_WITHOUT_DRAFTER)
+CONFIG_ERROR = "ConfigError"  # default for a target's EXIT_CONFIG: fail now, reason ConfigError
+ACTIONS = (FAIL_JOB, RESTART_JOB, RESTART_JOB_IGNORE_MAX, RESTART_WITHOUT_DRAFTER)  # what rules may say
+MAX_ERROR_LINE_CHARS = 1000
 
-# Text in a termination message that marks a GPU / MPS fault even under exit code 1.
-_GPU_FAULT_TEXT = re.compile(
-    r"CUDA error|CUDA_ERROR|cudaError|CUBLAS_STATUS|illegal memory access|MPS (server|client)|MpsClient",
-    re.IGNORECASE)
 # What a client sees when the MPS server terminated it for another client's fault (CUDA error 810,
 # cudaErrorMpsClientTerminated): marks the collateral victim, not the culprit.
 _MPS_COLLATERAL_TEXT = re.compile(r"MpsClientTerminated|client has been terminated", re.IGNORECASE)
 
-SUPERVISOR_VERDICT_KEY = "spectrainSupervisor"
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ def _last_exit(status: dict | None) -> _Exit | None:
 
 
 def _is_gpu_fault(e: _Exit) -> bool:
-    return e.exit_code in GPU_FAULT_EXIT_CODES or bool(_GPU_FAULT_TEXT.search(e.message))
+    return e.exit_code in GPU_FAULT_EXIT_CODES or bool(GPU_FAULT_TEXT.search(e.message))
 
 
 def _shutdown(e: _Exit, t: _Exit | None) -> bool:
@@ -152,11 +158,24 @@ def _within(a: datetime | None, b: datetime | None, window_s: float) -> bool:
     return abs((a - b).total_seconds()) <= window_s
 
 
+def error_line(message: str, limit: int = MAX_ERROR_LINE_CHARS) -> str:
+    """The workload's error line from a termination message: the message itself when the workload
+    wrote one (one line), else, from a log tail (FallbackToLogsOnError), its last line naming a
+    configuration error, else its last non-empty line; at most `limit` characters (head kept)."""
+    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    line = next((ln for ln in reversed(lines) if "configuration error" in ln), lines[-1])
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 def _describe(who: str, e: _Exit) -> str:
     text = f"{who} exited with code {e.exit_code}"
     if e.reason:
         text += f" ({e.reason})"
-    if e.message:
+    if e.message and e.exit_code == EXIT_CONFIG:
+        text += f": {error_line(e.message)}"
+    elif e.message:
         text += f": {e.message.strip()[-400:]}"
     return text
 
@@ -191,7 +210,10 @@ def _from_verdict(t: _Exit, v: dict) -> PodFault | None:
     if t.exit_code == EXIT_OK:
         return None
     reason = "TargetOOMKilled" if t.reason == "OOMKilled" else "TargetFailed"
-    return PodFault(TARGET, t.exit_code, reason, f"target exited with code {t.exit_code}", t.restarts)
+    text = f"target exited with code {t.exit_code}"
+    if isinstance(v.get("targetMessage"), str) and v["targetMessage"].strip():
+        text += f": {error_line(v['targetMessage'])}"
+    return PodFault(TARGET, t.exit_code, reason, text, t.restarts)
 
 
 def classify_pod(pod: dict) -> PodFault | None:
@@ -304,10 +326,12 @@ def action_for(fault: PodFault, job: dict) -> str:
     """The failurePolicy action for `fault` (first matching rule wins; see the module docstring).
 
     - target faults: the first rule for container target (or without a container) matching the
-      exit code; default RestartJob. EXIT_UNKNOWN (no exit code): RestartJob, rules not consulted.
+      exit code; default RestartJob, but ConfigError for EXIT_CONFIG (2: the spec cannot run, a
+      restart would fail the same way). EXIT_UNKNOWN (no exit code): RestartJob, rules not consulted.
     - drafter faults: the first rule for the drafter, made drafter-safe (FailJob ->
       RestartWithoutDrafter, RestartJob -> RestartJobIgnoreMax); without a rule, Ignore while
-      `restarts < drafter.maxFailures`, then RestartWithoutDrafter.
+      `restarts < drafter.maxFailures`, then RestartWithoutDrafter. Exit 2 included: a drafter's
+      configuration error costs the job its drafter, never the job.
     - MPS losses caused by the drafter: the first rule for the drafter matching its exit code,
       made drafter-safe (so a rule can say RestartWithoutDrafter); default RestartJob.
       Other MPS server losses: target rules on the target's exit code; default RestartJob.
@@ -329,5 +353,6 @@ def action_for(fault: PodFault, job: dict) -> str:
     if fault.container == TARGET:
         if fault.exit_code == EXIT_UNKNOWN:
             return RESTART_JOB
-        return _first_action(job, TARGET, fault.exit_code) or RESTART_JOB
+        default = CONFIG_ERROR if fault.exit_code == EXIT_CONFIG else RESTART_JOB
+        return _first_action(job, TARGET, fault.exit_code) or default
     raise ValueError(f"PodFault.container: {fault.container!r} is not target, drafter or mps")

@@ -10,6 +10,7 @@ nothing twice. Errors: `TransientError` (retry later: 5xx, 429, timeouts, confli
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import uuid
@@ -27,6 +28,16 @@ Obj = dict[str, Any]
 _PLURALS = {"Endpoints": "endpoints", "PodDisruptionBudget": "poddisruptionbudgets"}
 _CORE = "v1"
 
+# The oldest Kubernetes the operator runs against. 1.29: native sidecars (the drafter is an init
+# container with restartPolicy Always) are on by default (beta; GA in 1.33), and the CRD's CEL
+# rules (x-kubernetes-validations) are GA. Below it the drafter would be dropped silently (an
+# older apiserver discards the unknown restartPolicy field) or block the target as a plain init
+# container, so the operator refuses to start (EXIT_UNSUPPORTED_SERVER).
+MIN_SERVER_VERSION = (1, 29)
+# gpuSharing.mode DRA creates ResourceClaimTemplates of this API (GA, on by default, in 1.34).
+DRA_API_VERSION = "resource.k8s.io/v1"
+EXIT_UNSUPPORTED_SERVER = 3
+
 
 class KubeError(RuntimeError):
     def __init__(self, message: str, status: int | None = None):
@@ -40,6 +51,39 @@ class TransientError(KubeError):
 
 class RejectedError(KubeError):
     """The API server refused the request (invalid object, forbidden); retrying will not help."""
+
+
+class UnsupportedServer(KubeError):
+    """The API server is older than MIN_SERVER_VERSION."""
+
+
+def server_version(info: Obj) -> tuple[int, int] | None:
+    """(major, minor) of a /version answer: from gitVersion ("v1.29.3-eks-adc7111"), else from
+    major/minor ("1", "29+" as some providers write it); None when neither parses."""
+    m = re.match(r"v?(\d+)\.(\d+)", str(info.get("gitVersion") or ""))
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    major = re.match(r"\d+", str(info.get("major") or ""))
+    minor = re.match(r"\d+", str(info.get("minor") or ""))
+    if major and minor:
+        return int(major.group()), int(minor.group())
+    return None
+
+
+def check_server_version(info: Obj) -> str:
+    """The server's version string when it is supported; raise UnsupportedServer saying why not."""
+    version = server_version(info)
+    shown = str(info.get("gitVersion") or f"{info.get('major')}.{info.get('minor')}")
+    need = ".".join(map(str, MIN_SERVER_VERSION))
+    if version is None:
+        raise UnsupportedServer(f"the Kubernetes API server reports no version the operator can read "
+                                f"({json.dumps(info)[:200]}); it needs Kubernetes >= {need}")
+    if version < MIN_SERVER_VERSION:
+        raise UnsupportedServer(
+            f"Kubernetes {shown} is older than {need}, the oldest this operator supports: it needs native "
+            f"sidecars (initContainers with restartPolicy Always, on by default from 1.29) for the drafter "
+            f"and CEL validation rules for the SpecTrainJob CRD; upgrade the cluster")
+    return shown
 
 
 def path_for(api_version: str, kind: str, namespace: str | None, name: str | None = None,
@@ -114,6 +158,17 @@ class Kube:
                 raise TransientError(text, status)
             raise RejectedError(text, status)
         return json.loads(data) if data else {}
+
+    # ------------------------------------------------------------ server
+
+    def server_info(self) -> Obj:
+        """GET /version (readable by every authenticated user: system:public-info-viewer)."""
+        return self.request("GET", "/version") or {}
+
+    def serves(self, api_version: str) -> bool:
+        """Whether the server serves `group/version` (its discovery document exists; readable by
+        every authenticated user: system:discovery)."""
+        return self.request("GET", f"/apis/{api_version}") is not None
 
     # ------------------------------------------------------------ objects
 

@@ -5,7 +5,11 @@ source of the pod layout), and runs each pod's containers with the same env, com
 volumes: memory-backed emptyDirs become directories on a tmpfs (/dev/shm), other volumes
 directories under the run dir, the ConfigMap becomes files, the rendezvous goes to loopback.
 Native sidecars (init containers with restartPolicy Always) start first and are restarted when
-they exit, like the kubelet does; the job's exit code is the targets' outcome.
+they exit, like the kubelet does; the job's exit code is the targets' outcome. Targets are never
+restarted: the first failing target stops the run, which ends Failed with the reason the
+operator's failure policy gives its exit (a target's exit 2 without a matching rule: ConfigError)
+and the workload's termination message (SPECTRAIN_TERMINATION_LOG, a file per container under
+`logs/`), on stderr and in `status.json` of the run dir.
 
 Torch-free: the workloads run in child processes.
 """
@@ -30,8 +34,10 @@ from typing import Any
 
 import yaml
 
-from spectrain_operator import builders, spec
+from spectrain_operator import builders, faults, spec
 from spectrain_operator.progress import ProgressView
+from spectrain_workloads.contract import ENV_TERMINATION_LOG, KIND
+from spectrain_workloads.exitcodes import returncode_to_exit
 
 SHM_ROOT = Path(os.environ.get("SPECTRAIN_SHM_ROOT", "/dev/shm"))
 GRACE_S = 30.0
@@ -45,6 +51,7 @@ class LocalContainer:
     env: dict[str, str]
     sidecar: bool
     log: Path
+    termination_log: Path | None = None   # SPECTRAIN_TERMINATION_LOG: the kubelet's termination message file
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     exit_code: int | None = None
@@ -58,6 +65,8 @@ class LocalRun:
     shm_dir: Path
     containers: list[LocalContainer] = field(default_factory=list)
     max_sidecar_restarts: int = 3
+    job: dict[str, Any] = field(default_factory=dict)   # the defaulted SpecTrainJob (its failurePolicy)
+    outcome: dict[str, Any] | None = None                 # status.json: phase, reason, message, exitCode
 
     @property
     def targets(self) -> list[LocalContainer]:
@@ -94,6 +103,23 @@ def free_port(exclude: Collection[int] = ()) -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_block(n: int, exclude: Collection[int] = ()) -> int:
+    """The first of `n` consecutive free ports (local rank i of a pod's drafter listens on base + i)."""
+    while True:
+        base = free_port(exclude)
+        block = range(base, base + n)
+        if any(p in exclude for p in block):
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for p in block[1:]:
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("", p))
+            except OSError:
+                continue
+        return base
+
+
 def _ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -103,7 +129,7 @@ def _ephemeral_low() -> int:
 
 def load_manifest(path: str | Path) -> dict[str, Any]:
     docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
-    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == "SpecTrainJob"]
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     if len(jobs) != 1:
         raise SystemExit(f"{path}: expected exactly one SpecTrainJob, found {len(jobs)}")
     return jobs[0]
@@ -152,7 +178,7 @@ def _volume_dirs(pod: dict[str, Any], configmaps: dict[str, dict[str, Any]], run
 
 
 def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Path], master_port: int,
-                   overrides: dict[str, str], pod_ports: dict[str, int]) -> dict[str, str]:
+                   overrides: dict[str, str], pod_ports: dict[str, int], peer_ports: list[int]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECTRAIN_", "CUDA_MPS_"))}
     meta = pod["metadata"]
     for item in c.get("env", []):
@@ -168,10 +194,14 @@ def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Pat
                 value = str(host) + value[len(mount_path.rstrip("/")):]
                 break
         env[item["name"]] = value
+    if "SPECTRAIN_DRAFTER_PEERS" in env:
+        # Pods share one network namespace locally: each pod's drafters get their own block of ports.
+        env["SPECTRAIN_DRAFTER_PEERS"] = ",".join(f"127.0.0.1:{p}" for p in peer_ports)
+        env["SPECTRAIN_DRAFTER_BIND"] = "127.0.0.1"
     if env.get("SPECTRAIN_METRICS_PORT", "0") != "0":
         # Pods share one network namespace locally: each gets its own metrics port.
         if meta["name"] not in pod_ports:
-            pod_ports[meta["name"]] = free_port(exclude={master_port, *pod_ports.values()})
+            pod_ports[meta["name"]] = free_port(exclude={master_port, *pod_ports.values(), *peer_ports})
         env["SPECTRAIN_METRICS_PORT"] = str(pod_ports[meta["name"]])
     env["MASTER_ADDR"] = "127.0.0.1"
     env["MASTER_PORT"] = str(master_port)
@@ -194,10 +224,14 @@ def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None
     configmaps = {o["metadata"]["name"]: o for o in children if o["kind"] == "ConfigMap"}
     run_dir.mkdir(parents=True, exist_ok=True)
     shm = shm_dir or SHM_ROOT / f"spectrain-{os.getpid()}-{job['metadata']['name']}"
-    run = LocalRun(run_dir=run_dir, shm_dir=shm,
+    run = LocalRun(run_dir=run_dir, shm_dir=shm, job=job,
                    max_sidecar_restarts=int(job["spec"]["drafter"].get("maxFailures", 3)))
     master_port = free_port()
     pod_ports: dict[str, int] = {}
+    procs = int(job["spec"]["target"]["procsPerNode"])
+    peer_ports: list[int] = []
+    for _ in pods:
+        peer_ports.append(free_port_block(procs, exclude={master_port, *(p + i for p in peer_ports for i in range(procs))}))
     (run_dir / "logs").mkdir(exist_ok=True)
     for pod in pods:
         vols = _volume_dirs(pod, configmaps, run_dir, shm)
@@ -210,10 +244,14 @@ def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None
             if not argv:
                 raise SystemExit(f"pod {pod['metadata']['name']} container {c['name']} has no command: "
                                  "the local backend cannot run an image's default entrypoint; set target.command")
+            env = _container_env(c, pod, mounts, master_port, env_overrides or {}, pod_ports, peer_ports)
+            # The container's /dev/termination-log: a file per container in the run dir.
+            term = run_dir / "logs" / f"{pod['metadata']['name']}.{c['name']}.termination-log"
+            env.setdefault(ENV_TERMINATION_LOG, str(term))
             run.containers.append(LocalContainer(
-                pod=pod["metadata"]["name"], name=c["name"], argv=argv, sidecar=sidecar,
-                env=_container_env(c, pod, mounts, master_port, env_overrides or {}, pod_ports),
+                pod=pod["metadata"]["name"], name=c["name"], argv=argv, sidecar=sidecar, env=env,
                 log=run_dir / "logs" / f"{pod['metadata']['name']}.{c['name']}.log",
+                termination_log=Path(env[ENV_TERMINATION_LOG]),
             ))
     (run_dir / "job.json").write_text(json.dumps(job, indent=2))
     data_dirs = sorted({c.env["SPECTRAIN_RUN_DIR"] for c in run.containers if "SPECTRAIN_RUN_DIR" in c.env})
@@ -222,6 +260,9 @@ def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None
 
 
 def _start(c: LocalContainer) -> None:
+    if c.termination_log is not None:   # fresh for every start, like the kubelet's per container
+        with contextlib.suppress(OSError):
+            c.termination_log.unlink()
     with open(c.log, "ab") as log:
         c.proc = subprocess.Popen(c.argv, env=c.env, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
@@ -247,9 +288,45 @@ def _stop_all(cs: list[LocalContainer], grace_s: float) -> None:
             c.proc.wait()
 
 
+def _termination_message(c: LocalContainer) -> str:
+    if c.termination_log is None:
+        return ""
+    try:
+        return c.termination_log.read_text(errors="replace")[:4096]
+    except OSError:
+        return ""
+
+
+def failure_outcome(run: LocalRun, c: LocalContainer) -> dict[str, Any]:
+    """What the operator's status would say about target `c`'s exit (no restarts here): the fault
+    classified from a pod status carrying its exit code and termination message, the reason from
+    the failure policy (ConfigError for an exit 2 no rule matches)."""
+    code = returncode_to_exit(int(c.exit_code if c.exit_code is not None else 1))
+    pod = {"metadata": {"name": c.pod}, "status": {"phase": "Failed", "containerStatuses": [{
+        "name": "target", "restartCount": 0,
+        "state": {"terminated": {"exitCode": code, "reason": "Error", "message": _termination_message(c)}}}]}}
+    fault = faults.classify_pod(pod) or faults.PodFault(faults.TARGET, code, "TargetFailed",
+                                                        f"target exited with code {code}")
+    try:
+        action = faults.action_for(fault, run.job)
+    except ValueError as exc:
+        return {"phase": "Failed", "reason": "SpecInvalid", "message": str(exc), "exitCode": code}
+    reason = {faults.CONFIG_ERROR: "ConfigError", faults.FAIL_JOB: "FailedByPolicy"}.get(action, fault.reason)
+    return {"phase": "Failed", "reason": reason, "message": f"{c.pod}: {fault.message}", "exitCode": code}
+
+
+def _finish(run: LocalRun, outcome: dict[str, Any]) -> None:
+    run.outcome = outcome
+    with contextlib.suppress(OSError):
+        (run.run_dir / "status.json").write_text(json.dumps(outcome, indent=2))
+
+
 def execute(run: LocalRun, *, view: ProgressView | None = None, poll_s: float = 0.2) -> int:
-    """Run to completion. Returns 0 when every target exited 0, else the first failing code."""
+    """Run to completion. Returns 0 when every target exited 0, else the first failing code.
+    `run.outcome` (and status.json in the run dir) says Succeeded or Failed with the reason."""
     stopping = False
+    with contextlib.suppress(OSError):
+        (run.run_dir / "status.json").unlink()   # a --resume starts without the last run's outcome
 
     def on_sigint(signum: int, frame: Any) -> None:
         nonlocal stopping
@@ -278,9 +355,14 @@ def execute(run: LocalRun, *, view: ProgressView | None = None, poll_s: float = 
                 _stop_all(run.sidecars, GRACE_S)
                 for c in failed:
                     sys.stderr.write(f"{c.pod}/{c.name} exited {c.exit_code}; log: {c.log}\n")
+                outcome = failure_outcome(run, failed[0])
+                _finish(run, outcome)
+                sys.stderr.write(f"job Failed ({outcome['reason']}): {outcome['message']}\n")
                 return int(failed[0].exit_code or 1)
             if all(c.exit_code == 0 for c in run.targets):
                 _stop_all(run.sidecars, GRACE_S)
+                _finish(run, {"phase": "Succeeded", "reason": "Completed", "exitCode": 0,
+                              "message": f"all {len(run.targets)} target container(s) exited 0"})
                 return 0
             for c in run.sidecars:
                 if c.proc is not None and c.proc.poll() is not None:

@@ -6,6 +6,8 @@ import threading
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from spectrain_workloads.contract import PHASES
+
 RECONCILES = Counter("spectrain_reconciles_total", "Reconcile passes, by result.", ["result"])
 ERRORS = Counter("spectrain_reconcile_errors_total", "Errors while reconciling, by kind.", ["kind"])
 LATENCY = Histogram("spectrain_reconcile_duration_seconds", "Duration of one reconcile pass.",
@@ -16,7 +18,6 @@ CREATE_CONFLICTS = Counter("spectrain_create_conflicts_total",
                            ["kind"])
 JOBS = Gauge("spectrain_jobs", "SpecTrainJobs known to this operator, by phase.", ["phase"])
 
-PHASES = ("Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 _phases: dict[tuple[str, str], str] = {}
 _lock = threading.Lock()
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-API_VERSION = "spectrain.io/v1alpha1"
-KIND = "SpecTrainJob"
-LABEL_JOB = "spectrain.io/job-name"
+from spectrain_workloads.contract import API_VERSION, GROUP, KIND
+
+LABEL_JOB = f"{GROUP}/job-name"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "spectrain-operator"
 

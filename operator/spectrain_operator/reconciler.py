@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from spectrain_operator import builders, metrics, scheduling
+from spectrain_operator import builders, gpu_sharing, metrics, scheduling
 from spectrain_operator import spec as specmod
 from spectrain_operator import status as statusmod
-from spectrain_operator.kube import Kube, RejectedError, TransientError
+from spectrain_operator.kube import DRA_API_VERSION, Kube, RejectedError, TransientError
 
 Obj = dict[str, Any]
 log = logging.getLogger("spectrain.reconciler")
@@ -40,6 +40,9 @@ _CREATE_WORKERS = 16
 _TIMER_WORKERS = 4
 RESYNC_SECONDS = float(os.environ.get("SPECTRAIN_RESYNC_SECONDS", "30"))
 RETRY_SECONDS = 5.0
+# How long an answer "the server does not serve resource.k8s.io/v1" is trusted (one served is
+# trusted for good): a cluster upgraded under a running operator is noticed within this.
+_API_ABSENT_TTL_S = 60.0
 
 Key = tuple[str, str]
 
@@ -113,6 +116,7 @@ class Reconciler:
         self._slots: dict[Key, _JobSlot] = {}
         self._slots_lock = threading.Lock()
         self._validation: dict[tuple[str, int], list[str]] = {}
+        self._served: dict[str, tuple[bool, float]] = {}
         self.passes = 0
         self.closed = False
         # False while kopf peering has paused this replica (handlers.py): kopf then delivers no
@@ -209,6 +213,27 @@ class Reconciler:
             self._validation[key] = errors
         return errors
 
+    def serves(self, api_version: str) -> bool:
+        """Whether the API server serves `api_version` (cached; see _API_ABSENT_TTL_S)."""
+        known = self._served.get(api_version)
+        now = time.monotonic()
+        if known is not None and (known[0] or now - known[1] < _API_ABSENT_TTL_S):
+            return known[0]
+        served = self.kube.serves(api_version)
+        self._served[api_version] = (served, now)
+        return served
+
+    def _server_errors(self, job: Obj) -> list[str]:
+        """What this cluster cannot run of a valid spec: mode DRA without resource.k8s.io/v1."""
+        try:
+            mode = gpu_sharing.sharing_mode(job)
+        except ValueError:
+            return []  # the spec checks report it
+        if mode == "DRA" and not self.serves(DRA_API_VERSION):
+            return [f"spec.gpuSharing.mode: DRA needs the {DRA_API_VERSION} API (Kubernetes >= 1.34), which this "
+                    "cluster does not serve; use mode PodLocalMPS or SingleContainer, or upgrade the cluster"]
+        return []
+
     def reconcile_once(self, namespace: str, name: str, job: Obj | None = None) -> statusmod.Plan | None:
         started = time.perf_counter()
         try:
@@ -230,6 +255,8 @@ class Reconciler:
             return None
         errors = self._spec_errors(raw)
         job = specmod.apply_defaults(raw)
+        if not errors:
+            errors = self._server_errors(job)
         if errors and not isinstance(job.get("spec"), dict):
             job["spec"] = {}
         if errors:

@@ -1,7 +1,8 @@
 """Offline understanding of a SpecTrainJob: load, default and validate it exactly as the API server
 would (the CRD's own structural schema, defaults and CEL rule strings, evaluated with celpy), plus
 the semantic checks the schema cannot express (model layers divisible by the pipeline degree, known
-presets). Every error is one line that starts with the field path and says how to fix it.
+presets): `spectrain_workloads.contract.check_spec`, the rules the workloads enforce at start.
+Every error is one line that starts with the field path and says how to fix it.
 
 Used by `spectrain validate`/`render`, the local backend and the operator's reconcile (a 1.20 API
 server has no CEL, so the operator re-checks the rules and reports SpecInvalid).
@@ -20,11 +21,8 @@ from typing import Any
 
 import yaml
 
-GROUP = "spectrain.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "SpecTrainJob"
-PLURAL = "spectrainjobs"
+from spectrain_workloads.contract import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: F401 (re-exported)
+
 CRD_FILE = "spectrain.io_spectrainjobs.yaml"
 
 Obj = dict[str, Any]
@@ -290,47 +288,16 @@ def cel_errors(obj: Obj, old: Obj | None = None) -> list[str]:
 # ---------------------------------------------------------------- semantic checks
 
 def semantic_errors(obj: Obj) -> list[str]:
-    """What passes schema and CEL but still cannot run."""
-    from spectrain_workloads import presets  # torch-free by contract
+    """What passes schema and CEL but the workloads would still refuse at start: the same
+    `check_spec` every workload entrypoint runs before training."""
+    from spectrain_workloads.config import from_manifest
+    from spectrain_workloads.contract import check_spec
+    from spectrain_workloads.errors import ConfigError
 
-    spec = obj["spec"]
-    target = spec["target"]
-    out: list[str] = []
-    model = target["model"]
-    for field, name in (("spec.target.model.preset", model["preset"]), ("spec.drafter.preset",
-                                                                           spec["drafter"]["preset"])):
-        if name not in presets.PRESETS:
-            out.append(f"{field}: preset {name!r} is unknown to the workloads (known: {', '.join(presets.PRESETS)})")
-    if model["preset"] not in presets.PRESETS:
-        return out
-    overrides = model.get("overrides") or {}
-    layers_raw = overrides.get("n_layers", presets.PRESETS[model["preset"]].get("n_layers",
-                                                                                presets.DEFAULT_N_LAYERS))
-    if not isinstance(layers_raw, int) or isinstance(layers_raw, bool) or layers_raw < 1:
-        out.append(f"spec.target.model.overrides.n_layers: must be a positive integer (got {_show(layers_raw)})")
-        return out
-    pipeline = target["parallelism"]["pipeline"]
-    if layers_raw % pipeline:
-        out.append(f"spec.target.parallelism.pipeline: {pipeline} stages do not divide the model's {layers_raw} "
-                   f"layers (preset {model['preset']}); choose a divisor of {layers_raw} or set "
-                   "spec.target.model.overrides.n_layers")
-    if target["parallelism"]["schedule"] == "Interleaved1F1B" and layers_raw % (2 * pipeline):
-        out.append(f"spec.target.parallelism.schedule: Interleaved1F1B needs 2 virtual stages per rank, so "
-                   f"2 * pipeline ({2 * pipeline}) must divide the model's {layers_raw} layers")
-    if target["parallelism"]["schedule"] == "Interleaved1F1B":
-        microbatches = target["parallelism"]["microbatches"]
-        if pipeline < 2:
-            out.append("spec.target.parallelism.pipeline: Interleaved1F1B interleaves model chunks across "
-                       "pipeline ranks and needs pipeline >= 2; use schedule 1F1B for pipeline 1")
-        elif microbatches % pipeline:
-            out.append(f"spec.target.parallelism.microbatches: Interleaved1F1B needs a multiple of pipeline "
-                       f"({pipeline}), got {microbatches}")
-    max_len = overrides.get("max_seq_len", presets.PRESETS[model["preset"]].get("max_seq_len"))
-    if isinstance(max_len, int) and target["data"]["seqLen"] > max_len:
-        out.append(f"spec.target.data.seqLen: {target['data']['seqLen']} exceeds the model's max_seq_len "
-                   f"{max_len} (preset {model['preset']}); lower seqLen or set "
-                   "spec.target.model.overrides.max_seq_len")
-    return out
+    try:
+        return check_spec(from_manifest(obj))
+    except ConfigError as exc:
+        return [str(exc)]
 
 
 # ---------------------------------------------------------------- entry points

@@ -10,6 +10,8 @@ handlers.py wires it to kopf. The whole lifecycle of API.md lives here:
 - a target failure restarts the whole job (gang): a new restart generation, exponential backoff,
   up to runPolicy.maxRestarts; failurePolicy rules through faults.action_for (FailJob,
   RestartJob, RestartJobIgnoreMax, RestartWithoutDrafter);
+- a target's exit 2 (configuration error) that no rule matches: Failed/ConfigError at once, no
+  restart, the workload's error line (its termination message) in the condition;
 - drafter failures never fail the job: counted, and past drafter.maxFailures the drafter is
   disabled (DrafterDegraded);
 - pods deleted by someone else are recreated, counted as a restart (not against maxRestarts);
@@ -29,12 +31,12 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from spectrain_operator import builders, faults
+from spectrain_workloads.contract import PHASES
 
 Obj = dict[str, Any]
 
 MAX_BACKOFF_S = 3600.0
 TERMINAL = ("Succeeded", "Failed")
-PHASES = ("Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 DRAFTER_STATES = ("Disabled", "Waiting", "Active", "Degraded")
 
 
@@ -431,6 +433,11 @@ def _run(job: Obj, st: Obj, conds: Conditions, plan: Plan, current: dict[int, Ob
         text = f"{builders.pod_name(job, node)}: {fault.message or fault.reason}"
         if action == faults.IGNORE:
             continue
+        if action == faults.CONFIG_ERROR:
+            st["lastFailure"] = text[:2000]
+            return finish(False, "ConfigError", text,
+                          [p["metadata"]["name"] for p in current.values()
+                           if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")])
         if action == faults.FAIL_JOB:
             return finish(False, "FailedByPolicy", f"{text} (failurePolicy: FailJob)",
                           [p["metadata"]["name"] for p in current.values()

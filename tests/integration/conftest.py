@@ -11,7 +11,8 @@ from tests.integration.kubeapi import KubeAPI, KubeBinariesMissing
 
 @pytest.fixture(scope="session")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeAPI]:
-    """etcd + kube-apiserver 1.20 on free loopback ports, RBAC on, admin kubeconfig at `.kubeconfig`.
+    """etcd + kube-apiserver on free loopback ports, RBAC on, admin kubeconfig at `.kubeconfig`: the
+    release of scripts/kube/go.mod, or 1.20 with SPECTRAIN_KUBE=1.20 (tests/integration/kubeapi.py).
 
     Fails (never skips) when the binaries are missing: run `make kube-binaries`.
     """

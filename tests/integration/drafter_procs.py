@@ -23,13 +23,14 @@ class Pod:
     """The run/ring/config directories of one pod, and its drafter process."""
 
     def __init__(self, root: Path, drafter: dict[str, Any] | None = None, settings: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, target: dict[str, Any] | None = None) -> None:
         self.root = root
         self.run_dir, self.ring_dir = root / "run", root / "ring"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ring_dir.mkdir(parents=True, exist_ok=True)
         self.config = root / "config.json"
-        self.config.write_text(json.dumps({"metadata": {"name": "t"}, "spec": {"drafter": drafter or {}}}))
+        self.config.write_text(json.dumps({"metadata": {"name": "t"},
+                                           "spec": {"drafter": drafter or {}, "target": target or {}}}))
         self.settings = settings or {}
         self.extra_env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -64,7 +65,10 @@ class Pod:
         return read_jsonl(self.run_dir / "metrics" / f"drafter-rank-{rank}.jsonl")
 
     def of(self, event: str) -> list[dict[str, Any]]:
-        return [e for e in self.events() if e["event"] == event]
+        return self.of_rank(event, 0)
+
+    def of_rank(self, event: str, rank: int) -> list[dict[str, Any]]:
+        return [e for e in self.events(rank) if e["event"] == event]
 
     def summary(self, rank: int = 0) -> dict[str, Any]:
         return json.loads((self.run_dir / f"drafter-summary-rank-{rank}.json").read_text())

@@ -1,8 +1,16 @@
 """A real, throwaway Kubernetes control plane for integration tests: etcd + kube-apiserver
-(+ optionally kube-controller-manager for garbage collection and namespace deletion).
+(+ optionally kube-controller-manager for garbage collection and namespace deletion; on the current
+server also kube-scheduler, the node-lifecycle and resourceclaim controllers, and kwok running fake
+nodes: `start_scheduler`, `start_node_controllers`, `start_kwok`, `add_fake_node`).
 
-The binaries come from `make kube-binaries` (scripts/build-kube.sh, cached in
-$KUBE_CACHE/bin, default ~/.cache/spectrain/kube/bin); etcd is Debian's etcd-server.
+Two servers, chosen by SPECTRAIN_KUBE:
+- `current` (the default): the release pinned in scripts/kube/go.mod (kube-apiserver,
+  kube-controller-manager, kube-scheduler, etcd, kwok) from `make kube-binaries`
+  (scripts/build-kube-current.sh, cached in ~/.cache/spectrain/kube-<version>/bin);
+- `1.20`: kube-apiserver + kube-controller-manager 1.20 from `make kube-binaries-legacy`
+  (scripts/build-kube.sh, cached in $KUBE_CACHE/bin, default ~/.cache/spectrain/kube/bin) and
+  Debian's etcd-server. Below the operator's supported range (it refuses to start there): kept for
+  that test and for comparing what an old server silently drops.
 Everything listens on free ports on 127.0.0.1 and lives in one private directory.
 
 Authentication:
@@ -18,6 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -34,22 +43,57 @@ import yaml
 from tests.waiting import wait_for
 
 DEFAULT_CACHE = Path.home() / ".cache" / "spectrain" / "kube"
-MISSING_HINT = "run `make kube-binaries`"
+MISSING_HINT = "run `make kube-binaries-legacy`"
+ROOT = Path(__file__).resolve().parents[2]
+CURRENT_MODULE = ROOT / "scripts" / "kube" / "go.mod"
+CURRENT_HINT = "run `make kube-binaries`"
+FLAVORS = ("1.20", "current")
 
 
 class KubeBinariesMissing(RuntimeError):
     pass
 
 
-def kube_bin_dir() -> Path:
+def kube_flavor() -> str:
+    """Which server the tests run against: SPECTRAIN_KUBE=current (default) or 1.20."""
+    flavor = os.environ.get("SPECTRAIN_KUBE", "current") or "current"
+    if flavor not in FLAVORS:
+        raise ValueError(f"SPECTRAIN_KUBE={flavor!r}: one of {', '.join(FLAVORS)}")
+    return flavor
+
+
+def current_version() -> str:
+    """The k8s.io/kubernetes release scripts/kube/go.mod builds (e.g. v1.37.2)."""
+    m = re.search(r"^\s*(?:require\s+)?k8s\.io/kubernetes\s+(v\S+)", CURRENT_MODULE.read_text(), re.M)
+    if not m:
+        raise RuntimeError(f"no k8s.io/kubernetes requirement in {CURRENT_MODULE}")
+    return m.group(1)
+
+
+def kube_bin_dir(flavor: str | None = None) -> Path:
+    if (flavor or kube_flavor()) == "current":
+        # as scripts/build-kube-current.sh --print-bin
+        root = Path(os.environ.get("KUBE_CURRENT_CACHE", Path.home() / ".cache" / "spectrain"))
+        return root / f"kube-{current_version()}" / "bin"
     return Path(os.environ.get("KUBE_CACHE", DEFAULT_CACHE)) / "bin"
 
 
-def find_binaries() -> dict[str, Path]:
-    """Paths of kube-apiserver, kube-controller-manager and etcd; raise naming what is missing."""
-    bin_dir = kube_bin_dir()
+def find_binaries(flavor: str | None = None) -> dict[str, Path]:
+    """Paths of the flavor's binaries; raise naming what is missing."""
+    flavor = flavor or kube_flavor()
+    bin_dir = kube_bin_dir(flavor)
     found: dict[str, Path] = {}
     missing: list[str] = []
+    if flavor == "current":
+        for name in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "etcd", "kwok"):
+            p = bin_dir / name
+            if os.access(p, os.X_OK):
+                found[name] = p
+            else:
+                missing.append(str(p))
+        if missing:
+            raise KubeBinariesMissing(f"missing {', '.join(missing)}: {CURRENT_HINT}")
+        return found
     for name in ("kube-apiserver", "kube-controller-manager"):
         p = bin_dir / name
         if os.access(p, os.X_OK):
@@ -94,8 +138,10 @@ class KubeAPI:
 
     ADMIN_USER = "admin"
 
-    def __init__(self, root: Path) -> None:
-        self.bins = find_binaries()
+    def __init__(self, root: Path, flavor: str | None = None, apiserver_args: list[str] | tuple[str, ...] = ()) -> None:
+        self.flavor = flavor or kube_flavor()
+        self.apiserver_args = list(apiserver_args)
+        self.bins = find_binaries(self.flavor)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.pki = self.root / "pki"
@@ -209,7 +255,10 @@ class KubeAPI:
             f"--etcd-servers={self.etcd_url}",
             "--etcd-prefix=/spectrain-test",
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
-            f"--secure-port={self.port}", "--insecure-port=0",
+            f"--secure-port={self.port}",
+            # 1.20 still had an insecure port; current releases refuse a loopback advertise address
+            # for the `kubernetes` Service's endpoints: no endpoint reconciler (nothing here needs it)
+            *(["--insecure-port=0"] if self.flavor == "1.20" else ["--endpoint-reconciler-type=none"]),
             f"--tls-cert-file={d / 'serving.crt'}", f"--tls-private-key-file={d / 'serving.key'}",
             f"--client-ca-file={d / 'ca.crt'}",
             f"--token-auth-file={d / 'tokens.csv'}",
@@ -226,6 +275,7 @@ class KubeAPI:
             f"--audit-policy-file={d / 'audit-policy.yaml'}",
             f"--audit-log-path={self.audit_log}", "--audit-log-mode=blocking",
             "--v=1",
+            *self.apiserver_args,
         ])
         ctx = self.ssl_context()
 
@@ -241,6 +291,18 @@ class KubeAPI:
 
         wait_for(ready, timeout, interval=0.1, what="kube-apiserver /readyz")
         self._write_kubeconfig(self.kubeconfig, self.ADMIN_USER, {"token": self._admin_token})
+        req = urllib.request.Request(f"{self.server}/version",
+                                     headers={"Authorization": f"Bearer {self._admin_token}"})
+        with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
+            self.version_info: dict[str, Any] = json.loads(r.read())
+        m = re.match(r"v(\d+)\.(\d+)", str(self.version_info.get("gitVersion", "")))
+        # (major, minor) as served, e.g. (1, 20) or (1, 37): tests of what a release enforces branch on it
+        self.version = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+    @property
+    def enforces_cel(self) -> bool:
+        """Whether the server evaluates CRD x-kubernetes-validations (on by default from 1.25)."""
+        return self.version >= (1, 25)
 
     def start_controller_manager(self, timeout: float = 60.0) -> None:
         """garbagecollector + namespace controllers. Start it after the CRDs are established:
@@ -251,7 +313,7 @@ class KubeAPI:
             str(self.bins["kube-controller-manager"]),
             f"--kubeconfig={self.kubeconfig}",
             "--controllers=garbagecollector,namespace",
-            "--leader-elect=false", "--port=0", "--secure-port=0",
+            "--leader-elect=false", *(["--port=0"] if self.flavor == "1.20" else []), "--secure-port=0",
             "--concurrent-gc-syncs=5", "--v=1",
         ])
         # Ready once it has synced its informers: GC logs this; poll the log with a deadline.
@@ -263,6 +325,97 @@ class KubeAPI:
             return "all resource monitors have synced" in text or "synced garbage collector" in text
 
         wait_for(synced, timeout, interval=0.1, what="kube-controller-manager garbage collector sync")
+
+    # ---------------------------------------------------------------- scheduling, fake nodes (current only)
+    FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node"   # = "fake": kwok manages the node
+    FAKE_NODE_TAINT = {"key": "spectrain.io/fake-node", "value": "kwok", "effect": "NoSchedule"}
+    # kwok leaves pods with this annotation alone: a test plays their kubelet instead
+    KWOK_HANDS_OFF = "kwok.x-k8s.io/status"        # = "custom"
+
+    def _need_current(self, what: str) -> None:
+        if self.flavor != "current":
+            raise RuntimeError(f"{what} needs SPECTRAIN_KUBE=current (kube-scheduler and kwok are built there)")
+
+    def start_scheduler(self, timeout: float = 60.0) -> None:
+        """The real kube-scheduler (leader election off, no serving port). Pods that tolerate
+        FAKE_NODE_TAINT land on the fake nodes; every other pod of the suite stays Pending, so
+        the tests that play the kubelet keep doing so undisturbed."""
+        self._need_current("kube-scheduler")
+        if "kube-scheduler" in self._procs:
+            return
+        self._spawn("kube-scheduler", [
+            str(self.bins["kube-scheduler"]), f"--kubeconfig={self.kubeconfig}",
+            "--leader-elect=false", "--secure-port=0", "--v=2",  # v=2: informer syncs, each binding
+        ])
+        log = self.logs / "kube-scheduler.log"
+
+        def synced() -> bool:
+            self._check_alive("kube-scheduler")
+            text = log.read_text(errors="replace") if log.exists() else ""
+            return all(f'"Caches populated" type="*v1.{kind}"' in text for kind in ("Node", "Pod"))
+
+        wait_for(synced, timeout, interval=0.1, what="kube-scheduler informers synced")
+
+    def start_node_controllers(self, timeout: float = 60.0) -> None:
+        """A second kube-controller-manager with the controllers a cluster of (fake) nodes needs:
+        node-lifecycle (lifts the not-ready taint the apiserver puts on every new Node once kwok
+        reports it Ready) and resourceclaim (each pod's ResourceClaims from its templates, DRA)."""
+        self._need_current("the node controllers")
+        if "kube-controller-manager-nodes" in self._procs:
+            return
+        self._spawn("kube-controller-manager-nodes", [
+            str(self.bins["kube-controller-manager"]), f"--kubeconfig={self.kubeconfig}",
+            "--controllers=node-lifecycle-controller,resourceclaim-controller",
+            "--leader-elect=false", "--secure-port=0", "--v=1",
+        ])
+        log = self.logs / "kube-controller-manager-nodes.log"
+
+        def started() -> bool:
+            self._check_alive("kube-controller-manager-nodes")
+            text = log.read_text(errors="replace") if log.exists() else ""
+            return "Caches are synced" in text
+
+        wait_for(started, timeout, interval=0.1, what="node controllers started")
+
+    def start_kwok(self, timeout: float = 60.0) -> None:
+        """kwok: fake kubelets for the nodes annotated FAKE_NODE_ANNOTATION=fake (heartbeats; pods
+        go Running, Jobs' pods complete, deleted pods are removed), with the stages of its release
+        (`kwok-stages.yaml` beside the binaries)."""
+        self._need_current("kwok")
+        if "kwok" in self._procs:
+            return
+        stages = self.bins["kwok"].parent / "kwok-stages.yaml"
+        if not stages.is_file():
+            raise KubeBinariesMissing(f"missing {stages}: {CURRENT_HINT}")
+        self._spawn("kwok", [
+            str(self.bins["kwok"]), f"--kubeconfig={self.kubeconfig}", f"--config={stages}",
+            "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={self.FAKE_NODE_ANNOTATION}=fake",
+            f"--disregard-status-with-annotation-selector={self.KWOK_HANDS_OFF}=custom",
+            "--cidr=10.244.0.0/16", "--node-ip=10.1.0.1", f"--server-address=127.0.0.1:{free_port()}",
+        ])
+        log = self.logs / "kwok.log"
+
+        def started() -> bool:
+            self._check_alive("kwok")
+            text = log.read_text(errors="replace") if log.exists() else ""
+            return "Starting" in text or "Watching" in text or "started" in text.lower()
+
+        wait_for(started, timeout, interval=0.1, what="kwok started")
+
+    def add_fake_node(self, name: str, *, gpus: int = 8, cpu: str = "64", memory: str = "512Gi",
+                      labels: dict[str, str] | None = None) -> dict[str, Any]:
+        """A Node kwok runs, with `gpus` nvidia.com/gpu, tainted FAKE_NODE_TAINT."""
+        capacity = {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "1Ti"}
+        if gpus:
+            capacity["nvidia.com/gpu"] = str(gpus)
+        return self.apply({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "annotations": {self.FAKE_NODE_ANNOTATION: "fake"},
+                         "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                                    "kubernetes.io/arch": "amd64", "type": "kwok", **(labels or {})}},
+            "spec": {"taints": [dict(self.FAKE_NODE_TAINT)]},
+            "status": {"capacity": capacity, "allocatable": dict(capacity)},
+        })
 
     def log_tail(self, name: str, n: int = 40) -> str:
         return _tail(self.logs / f"{name}.log", n)

@@ -25,7 +25,8 @@ from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "spectrain.io_spectrainjobs.yaml"
-GROUP, VERSION, PLURAL = "spectrain.io", "v1alpha1", "spectrainjobs"
+from spectrain_workloads.contract import GROUP, KIND, PLURAL, VERSION  # noqa: E402
+
 LABEL_JOB = "spectrain.io/job-name"
 STEP = 30.0  # deadline per expected outcome
 
@@ -98,7 +99,7 @@ class Env:
                 base[key] = {**base[key], **value}
             else:
                 base[key] = value
-        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SpecTrainJob",
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
                 "metadata": {"name": name, "namespace": self.ns}, "spec": base}
 
     def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -176,9 +177,14 @@ class Env:
             self.set_pod(p["metadata"]["name"], "Running", {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
                          ready=True)
 
-    def exit_pod(self, pod: str, code: int) -> None:
-        term = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                               "startedAt": "2026-01-01T00:00:00Z", "finishedAt": "2026-01-01T00:01:00Z"}}
+    def exit_pod(self, pod: str, code: int, message: str = "") -> None:
+        """The target terminated with `code`; `message`: its termination message (what the
+        workload wrote to /dev/termination-log)."""
+        term: dict[str, Any] = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                               "startedAt": "2026-01-01T00:00:00Z",
+                                               "finishedAt": "2026-01-01T00:01:00Z"}}
+        if message:
+            term["terminated"]["message"] = message
         self.set_pod(pod, "Succeeded" if code == 0 else "Failed", term)
 
     def annotate_pod(self, pod: str, annotations: dict[str, str]) -> None:

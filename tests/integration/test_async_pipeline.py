@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectrain_workloads import async_pipeline as ap
 from spectrain_workloads.config import (
     BasisRotationSpec,
     CheckpointSpec,
@@ -28,6 +27,7 @@ from spectrain_workloads.config import (
 from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
 from spectrain_workloads.model import Transformer, model_config
 from spectrain_workloads.optim import build_optimizer
+from spectrain_workloads.target import async_pipeline as ap
 from spectrain_workloads.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.integration
@@ -51,7 +51,7 @@ def _free_port() -> int:
 
 def _worker(rank: int, source: str, root: str, ports: list[int]) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", SPECTRAIN_DEVICE="cpu",
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", SPECTRAIN_DEVICE="cpu", SPECTRAIN_TORCH_THREADS="1",
                       GLOO_SOCKET_IFNAME="lo")
     os.environ.pop("SPECTRAIN_RING_DIR", None)
     phases = [("async", STEPS, None), ("sync", STEPS, 0), ("resumed", STEPS // 2, None), ("resumed", STEPS, None)]

@@ -2,8 +2,8 @@
 windows, isolation and crash recovery.
 
 Two runs of the same job: `off` (SPECTRAIN_DRAFTER_ENABLED=0, no drafter, nothing published)
-and `on` (a drafter sidecar per pod, policy IdleOnly; the last stage's is SIGKILLed mid-run and
-restarted). The target is sized like examples/demo.yaml so that its pipeline bubbles (one
+and `on` (a drafter sidecar per pod, policy IdleOnly, exchanging samples and combining their
+replicas over loopback (drafter.fleet); the last stage's is SIGKILLed mid-run and restarted). The target is sized like examples/demo.yaml so that its pipeline bubbles (one
 microbatch's forward + backward of the other stage) are many drafter units long. Checked: the
 target's losses and final weights are bitwise identical; the drafter worked only inside the
 target's windows; the restarted drafter resumed from its last complete checkpoint; and its export
@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 import torch
 
-from spectrain_workloads.launch import launch_local, node_ring_dir, stop, wait_all
+from spectrain_operator.local import free_port
 from tests.integration.drafter_procs import REPO, read_jsonl
+from tests.launch import launch_local, node_ring_dir, stop, wait_all
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -44,12 +45,13 @@ def _config(path: Path) -> Path:
         "model": {"preset": "debug", "overrides": {"n_layers": N_LAYERS}},
         "data": {"source": "builtin:python-stdlib", "seqLen": SEQ, "batchSize": 16},
         "optimizer": {"name": "AdamW", "lr": 0.003}, "steps": STEPS, "checkpoint": {"everySteps": STEPS, "keep": 2}},
-        "drafter": {"activation": {"policy": "IdleOnly", "safetyMarginMs": 1}}}}))
+        "drafter": {"activation": {"policy": "IdleOnly", "safetyMarginMs": 1},
+                    "exchange": {"combineEverySeconds": 1}}}}))
     return path
 
 
-def _drafter(root: Path, cfg: Path, node: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")]),
+def _drafter(root: Path, cfg: Path, node: int, peers: str) -> subprocess.Popen[bytes]:
+    env = {"SPECTRAIN_DRAFTER_PEERS": peers, "SPECTRAIN_DRAFTER_BIND": "127.0.0.1", **os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")]),
            "SPECTRAIN_CONFIG": str(cfg), "SPECTRAIN_RING_DIR": str(node_ring_dir(root / "ring", node, 2)),
            "SPECTRAIN_RUN_DIR": str(root), "SPECTRAIN_DEVICE": "cpu", "RANK": str(node), "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": "1",
@@ -84,7 +86,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     procs: list[subprocess.Popen[bytes]] = []
     # The drafters first: once they wait for the ring (torch imported), the target starts; it
     # writes its embedding / LM head before step 0, so the drafters can train from the first step.
-    drafters = [_drafter(on, cfg, n) for n in range(2)]
+    used: set[int] = set()
+    for _ in range(2):
+        used.add(free_port(exclude=used))
+    peers = ",".join(f"127.0.0.1:{p}" for p in sorted(used))
+    drafters = [_drafter(on, cfg, n, peers) for n in range(2)]
     try:
         wait_for(lambda: all((on / f"drafter-summary-rank-{n}.json").exists() for n in range(2)), 120,
                  what="both drafters up and waiting for the ring")
@@ -95,7 +101,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         drafters[1].wait()
         info["killed_at_step"] = len(_losses(on, 1))
         info["newest"] = max(e["version"] for e in read_jsonl(events) if e["event"] == "checkpoint")
-        drafters[1] = _drafter(on, cfg, 1)
+        drafters[1] = _drafter(on, cfg, 1, peers)
         info["codes"] = wait_all(procs, 240)
         info["setups"] = wait_for(lambda: [e for e in read_jsonl(events) if e["event"] == "setup"][1:], 60,
                                   what="the restarted drafter's setup")
@@ -131,9 +137,11 @@ def test_killed_drafter_resumes_from_its_last_complete_checkpoint(runs: dict[str
     assert resumed["resumed_version"] == runs["newest"]
     ckpts = sorted(p.name for p in (on / "drafter" / "rank-1").iterdir())
     assert all(not n.startswith(".tmp-") for n in ckpts)
-    # stage 0 sees windows but never data: it waits and writes no checkpoints
+    # stage 0's ring has windows but no data: the last stage's samples reach its drafter, which
+    # trains in stage 0's windows, and its replica is combined into the exported model
     s0 = json.loads((on / "drafter-summary-rank-0.json").read_text())
-    assert s0["samplesTrained"] == 0 and s0["state"] == "Waiting"
+    assert s0["samplesFromPeers"] > 0 and s0["samplesTrained"] > 0 and s0["harvestedSeconds"] > 0, s0
+    assert s0["combinedVersion"] >= 1 and s0["combinedWorkSeconds"] > 0, s0
 
 
 def _final_target(root: Path) -> Any:

@@ -39,7 +39,8 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "spectrain-operator"
 RELEASE, OP_NS = "spectrain", "spectrain-system"
-GROUP, VERSION, PLURAL = "spectrain.io", "v1alpha1", "spectrainjobs"
+from spectrain_workloads.contract import GROUP, KIND, PLURAL, VERSION  # noqa: E402
+
 STEP_TIMEOUT = 20.0  # per expected outcome; a healthy operator needs well under a second
 
 
@@ -187,7 +188,7 @@ class Run:
             raise
 
     def create_job(self, name: str, finalizers: list[str] | None = None, **spec: Any) -> None:
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SpecTrainJob",
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
                 "metadata": {"name": name, "namespace": self.ns, **({"finalizers": finalizers} if finalizers else {})},
                 "spec": {"target": {"image": "example.org/spectrain/workloads:0.1.0", "nodes": 1,
                                     "procsPerNode": 1, "parallelism": {"data": 1, "pipeline": 1}},

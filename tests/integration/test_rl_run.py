@@ -28,7 +28,7 @@ def rl_manifest(tmp_path: Path, steps: int) -> Path:
     t["checkpoint"] = {"everySteps": 4, "keep": 2}
     t["data"]["batchSize"] = 4
     t["rl"].update(groupSize=4, maxNewTokens=32)
-    t["env"] = [{"name": "SPECTRAIN_RL_WARMUP_STEPS", "value": "30"}]
+    t["env"] = [{"name": "SPECTRAIN_RL_WARMUP_STEPS", "value": "30"}, {"name": "SPECTRAIN_RL_PLAIN_EVERY", "value": "4"}]
     path = tmp_path / f"demo-rl-{steps}.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -76,6 +76,10 @@ def test_rl_run_trains_the_drafter_in_rollout_tails_and_resumes(tmp_path: Path) 
     steps = jsonl(data / "metrics" / "target-rank-0.jsonl")
     assert [s["step"] for s in steps] == list(range(1, 13))
     assert all(s["response_len_max"] >= 1 and 0.0 <= s["reward"] <= 1.0 for s in steps)
+    assert all(s["rollout_tokens_per_s"] > 0 for s in steps)
+    # Plain reruns (side by side) only on every 4th step, and only once a drafter is loaded.
+    measured = [s["step"] for s in steps if "rl_step_speedup" in s]
+    assert set(measured) <= {4, 8, 12} and all(s["drafter_version"] for s in steps if s["step"] in measured)
 
     # Resume with more steps: the policy continues from step 12, the sidecar from its checkpoint, and the
     # first resumed rollout already speculates with the exported drafter (no version 0 restart).
@@ -86,6 +90,9 @@ def test_rl_run_trains_the_drafter_in_rollout_tails_and_resumes(tmp_path: Path) 
     assert version(resumed[0]["drafter_version"]) >= exported
     assert all(version(s["drafter_version"]) >= 1 for s in resumed)
     assert sum(s["spec_steps"] for s in resumed) > 0 and max(s["acceptance_length"] for s in resumed) >= 1.0
+    last = resumed[-1]              # step 16: a drafter is loaded, so it was measured side by side
+    assert last["plain_rollout_s"] > 0 and last["plain_rollout_tokens_per_s"] > 0 and last["rl_step_speedup"] > 0
+    assert last["rl_step_speedup"] == pytest.approx((last["plain_rollout_s"] + last["train_s"]) / last["step_time_s"])
     setups = [e for e in jsonl(data / "metrics" / "drafter-rank-0.jsonl") if e["event"] == "setup"]
     assert len(setups) == 2 and setups[1]["resumed_version"] >= exported
     assert sorted(int(p.name.split("-")[1]) for p in data.glob("target/rank-0/step-*")) == [12, 16]

@@ -99,6 +99,19 @@ def test_torchrun_and_spectrain_env() -> None:
     assert p["spec"]["containers"][0]["env"][-1] == {"name": "EXTRA", "value": "1"}  # user env appended
 
 
+def test_drafters_reach_each_other_through_the_headless_service() -> None:
+    j = job()
+    j["spec"]["target"].update(nodes=2, procsPerNode=2)
+    j["spec"]["target"]["parallelism"].update(data=2, pipeline=2)
+    p, _ = builders.pod(j, 1)
+    drafter = p["spec"]["initContainers"][0]
+    assert env_of(drafter)["SPECTRAIN_DRAFTER_PEERS"] == "demo-0.demo.ns1.svc:29600,demo-1.demo.ns1.svc:29600"
+    assert [(q["name"], q["containerPort"]) for q in drafter["ports"]] == [("drafter", 29600), ("drafter-1", 29601)]
+    assert "SPECTRAIN_DRAFTER_PEERS" not in env_of(p["spec"]["containers"][0])     # the target never talks to it
+    svc = builders.service(j)
+    assert {"name": "drafter", "port": 29600, "targetPort": 29600, "protocol": "TCP"} in svc["spec"]["ports"]
+
+
 @pytest.mark.parametrize("how", ["spec", "restart"])
 def test_drafter_omitted_when_disabled(how: str) -> None:
     j = job()
@@ -189,3 +202,12 @@ def test_rendered_objects_pass_kubernetes_schemas(example: str) -> None:
     j = spec.defaulted(spec.load_manifests(ROOT / "examples" / example)[0])
     for obj in builders.render(j):
         kubernetes_validate.validate(obj, "1.34", strict=True)
+
+
+def test_target_and_drafter_fall_back_to_their_logs_for_the_termination_message() -> None:
+    # The workloads write their fatal error line there (a config error reaches Failed/ConfigError).
+    for p in by_kind(builders.render(job()))["Pod"]:
+        (target,) = p["spec"]["containers"]
+        (drafter,) = p["spec"]["initContainers"]
+        assert target["terminationMessagePolicy"] == drafter["terminationMessagePolicy"] == "FallbackToLogsOnError"
+        assert "terminationMessagePath" not in target  # the kubelet's default, /dev/termination-log

@@ -8,7 +8,7 @@ import pytest
 
 from spectrain_operator import faults
 from spectrain_operator.faults import PodFault, action_for, classify_pod
-from spectrain_workloads import exitcodes, supervisor
+from spectrain_workloads import supervisor
 
 pytestmark = pytest.mark.unit
 
@@ -234,9 +234,61 @@ def test_bad_rules_name_the_field() -> None:
         action_for(PodFault("target", 1, "TargetFailed", ""), job([rule("FailJob", "target", [1], "Maybe")]))
 
 
-def test_exit_code_conventions_match_the_workloads() -> None:
-    assert faults.EXIT_GPU_FAULT == exitcodes.EXIT_GPU_FAULT
-    assert faults.EXIT_CONFIG == exitcodes.EXIT_CONFIG
-    assert faults.GPU_FAULT_EXIT_CODES == exitcodes.GPU_FAULT_EXIT_CODES
-    assert faults.SUPERVISOR_VERDICT_KEY == supervisor.VERDICT_KEY
-    assert faults.MPS_LOSS_WINDOW_S == supervisor.MPS_LOSS_WINDOW_S
+
+
+# ------------------------------------------------------------------------------ exit 2: configuration errors
+
+CONFIG_LINE = ("configuration error: spec.target.data.batchSize: 6 must be a multiple of "
+               "spec.target.parallelism.microbatches (4)")
+
+
+def test_target_config_error_fails_the_job_with_the_workloads_line() -> None:
+    f = classify_pod(pod(status("target", state={"terminated": term(2, T1, message=CONFIG_LINE)}), status("drafter")))
+    assert f is not None and (f.container, f.exit_code, f.reason) == ("target", 2, "TargetFailed")
+    assert CONFIG_LINE in f.message
+    assert action_for(f, job()) == faults.CONFIG_ERROR == "ConfigError"
+    assert faults.CONFIG_ERROR not in faults.ACTIONS, "a default only: rules cannot name it"
+
+
+def test_config_error_line_from_a_log_tail_and_truncated() -> None:
+    # FallbackToLogsOnError: no message written, the kubelet put the log's tail there
+    tail = f"loading config\n[spectrain-target] {CONFIG_LINE}\nexiting\n"
+    f = classify_pod(pod(status("target", state={"terminated": term(2, T1, message=tail)})))
+    assert f is not None and f.message.endswith(f"[spectrain-target] {CONFIG_LINE}")
+    long = "configuration error: " + "x" * 5000
+    f = classify_pod(pod(status("target", state={"terminated": term(2, T1, message=long)})))
+    assert f is not None and "configuration error: xxx" in f.message
+    assert len(f.message) < faults.MAX_ERROR_LINE_CHARS + 100 and f.message.endswith("...")
+
+
+@pytest.mark.parametrize("rules,expected", [
+    ([rule("RestartJob", "target", [2])], "RestartJob"),
+    ([rule("RestartJobIgnoreMax", "target", [0], operator="NotIn")], "RestartJobIgnoreMax"),
+    ([{"action": "FailJob"}], "FailJob"),                    # no onExitCodes: matches every fault
+    ([rule("RestartJob", "target", [1])], "ConfigError"),    # rules that do not match exit 2
+    ([rule("RestartJob", "drafter", [2])], "ConfigError"),
+])
+def test_a_user_rule_matching_exit_2_wins(rules: list[dict], expected: str) -> None:
+    assert action_for(PodFault("target", 2, "TargetFailed", CONFIG_LINE), job(rules)) == expected
+
+
+def test_drafter_config_error_never_fails_the_job() -> None:
+    # Today's drafter semantics, exit 2 included: Ignore (the kubelet restarts the sidecar) until
+    # maxFailures, then the job restarts without its drafter; a drafter rule is made drafter-safe.
+    d = status("drafter", state={"waiting": {"reason": "CrashLoopBackOff"}},
+               last={"terminated": term(2, T1, message="configuration error: SPECTRAIN_DRAFTER_SETTINGS is not JSON")},
+               restarts=1)
+    f = classify_pod(pod(drafter=d))
+    assert f is not None and (f.container, f.exit_code, f.reason) == ("drafter", 2, "DrafterFailed")
+    assert "SPECTRAIN_DRAFTER_SETTINGS" in f.message
+    assert action_for(f, job(max_failures=3)) == "Ignore"
+    assert action_for(PodFault("drafter", 2, "DrafterFailed", "", restarts=3), job(max_failures=3)) \
+        == "RestartWithoutDrafter"
+    assert action_for(f, job([rule("FailJob", "drafter", [2])])) == "RestartWithoutDrafter"
+
+
+def test_single_container_verdict_carries_the_targets_config_error() -> None:
+    v = supervisor.Verdict("target", 2, 0, False, None, None, target_message=CONFIG_LINE)
+    f = classify_pod(pod(status("target", state={"terminated": term(2, T1, message=v.to_json())})))
+    assert f is not None and (f.container, f.exit_code) == ("target", 2) and CONFIG_LINE in f.message
+    assert action_for(f, job()) == "ConfigError"

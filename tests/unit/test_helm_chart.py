@@ -106,7 +106,10 @@ def test_lint_reports_a_broken_template(tmp_path: Path) -> None:
 
 def test_chart_declares_kube_version() -> None:
     meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    assert meta["kubeVersion"].startswith(">=1.25")
+    from spectrain_operator.kube import MIN_SERVER_VERSION
+
+    # the operator refuses older servers at start: the chart says the same
+    assert meta["kubeVersion"] == ">={}.{}.0-0".format(*MIN_SERVER_VERSION) == ">=1.29.0-0"
     assert meta["apiVersion"] == "v2"
 
 

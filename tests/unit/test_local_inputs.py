@@ -51,3 +51,18 @@ def test_free_port_is_outside_the_ephemeral_range_and_bindable() -> None:
             s.bind(("", port))
     handed_out = set(range(10000, 30000, 2))      # ports given to processes that have not bound them yet
     assert all(free_port(exclude=handed_out) not in handed_out for _ in range(50))
+
+
+def test_local_pods_give_each_pods_drafters_their_own_loopback_ports(tmp_path: Path) -> None:
+    job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    job["spec"]["target"].update(nodes=2, procsPerNode=2)
+    job["spec"]["target"]["parallelism"].update(data=2, pipeline=2)
+    run = local.plan(job, tmp_path / "run", shm_dir=tmp_path / "shm")
+    drafters = [c for c in run.containers if c.name == "drafter"]
+    assert len(drafters) == 2
+    peers = {c.env["SPECTRAIN_DRAFTER_PEERS"] for c in drafters}
+    assert len(peers) == 1, "every drafter must see the same addresses"
+    ports = [int(a.rsplit(":", 1)[1]) for a in peers.pop().split(",")]
+    assert len(ports) == 2 and abs(ports[0] - ports[1]) >= 2      # local ranks 0, 1 of each pod: base + i
+    assert all(c.env["SPECTRAIN_DRAFTER_BIND"] == "127.0.0.1" for c in drafters)
+    assert not any("SPECTRAIN_DRAFTER_PEERS" in c.env for c in run.containers if c.name == "target")

@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from spectrain_workloads import exitcodes, nvml
-from spectrain_workloads.errors import ConfigError
+from spectrain_workloads import nvml
 
 pytestmark = pytest.mark.unit
 
@@ -115,14 +114,6 @@ def test_library_not_found_everywhere() -> None:
     r = nvml.report(lib=lib, env={"SPECTRAIN_GPU_SHARING": "DRA"})
     assert not r.available and "NVML Shared Library Not Found" in r.reason
     assert r.sharing_mode == "DRA"
-    sig = nvml.UtilizationSignal(lib=lib)
-    hint = sig.poll()
-    assert not sig.available and not hint.idle and hint.confidence == 0.0 and hint.utilization_pct is None
-    guard = nvml.MemoryGuard(own_bytes_fn=lambda: 5 * GiB, env={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=8192M"},
-                             lib=lib)
-    ok = guard.check(GiB)
-    assert ok.ok and ok.device_free_bytes is None and "unknown" in ok.reason
-    assert not guard.check(3 * GiB).ok, "the pinned-limit check still works without NVML"
 
 
 # ------------------------------------------------------------------------- with a stand-in NVML
@@ -164,100 +155,9 @@ def test_mps_detected_from_server_process(tmp_path: Path) -> None:
     assert r.mps.active and r.mps.source == "mps-server-process"
 
 
-def test_utilization_signal_needs_a_streak_and_caps_confidence() -> None:
-    lib = FakeNvml()
-    sig = nvml.UtilizationSignal(threshold_pct=10, min_samples=3, lib=lib)
-    lib.util[0] = 90
-    busy = sig.poll()
-    assert not busy.idle and busy.confidence == 0.0 and busy.utilization_pct == 90
-    lib.util[0] = 5
-    hints = [sig.poll() for _ in range(4)]
-    assert [h.idle for h in hints] == [False, False, True, True]
-    assert all(h.confidence <= nvml.MAX_CONFIDENCE for h in hints)
-    assert hints[0].confidence < hints[2].confidence == nvml.MAX_CONFIDENCE
-    lib.util[0] = 50
-    assert not sig.poll().idle, "one busy sample resets the streak"
-    sig.close()
-    assert lib.shutdowns == 1
-
-
-def test_utilization_signal_bad_device() -> None:
-    sig = nvml.UtilizationSignal(device_index=7, lib=FakeNvml())
-    assert not sig.available and "Invalid Argument" in sig.poll().reason
-
-
-@pytest.mark.parametrize(("bad", "field"), [({"threshold_pct": 101}, "threshold_pct"),
-                                            ({"min_samples": 0}, "min_samples")])
-def test_utilization_signal_arguments(bad: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=field):
-        nvml.UtilizationSignal(lib=FakeNvml(), **bad)
-
-
-def test_memory_guard_with_nvml() -> None:
-    lib = FakeNvml()
-    own = {"bytes": 2 * GiB}
-    guard = nvml.MemoryGuard(own_bytes_fn=lambda: own["bytes"], min_free_bytes=4 * GiB,
-                             env={"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10G"}, lib=lib)
-    assert guard.limit_bytes == 10 * GiB
-    assert guard.check(GiB).ok
-    over_cap = guard.check(8 * GiB)
-    assert not over_cap.ok and "pinned limit" in over_cap.reason
-    lib.free[0] = 5 * GiB
-    tight = guard.check(2 * GiB)
-    assert not tight.ok and "reserved for the target" in tight.reason
-    assert tight.device_free_bytes == 5 * GiB
-
-
-def test_wait_until_fits_uses_the_injected_clock() -> None:
-    lib = FakeNvml()
-    lib.free[0] = GiB
-    guard = nvml.MemoryGuard(min_free_bytes=2 * GiB, env={}, lib=lib)
-    now = [0.0]
-
-    def sleep(s: float) -> None:
-        now[0] += s
-        if now[0] >= 1.0:
-            lib.free[0] = 10 * GiB
-
-    v = nvml.wait_until_fits(guard, GiB, timeout_s=5, poll_s=0.5, clock=lambda: now[0], sleep=sleep)
-    assert v.ok and now[0] == 1.0
-    lib.free[0] = GiB
-    v = nvml.wait_until_fits(guard, GiB, timeout_s=2, poll_s=0.5, clock=lambda: now[0],
-                             sleep=lambda s: now.__setitem__(0, now[0] + s))
-    assert not v.ok
-
-
-@pytest.mark.parametrize(("value", "device", "expected"), [
-    ("0=8192M,1=4G", 0, 8 * GiB), ("0=8192M,1=4G", 1, 4 * GiB), ("0=8192M", 1, None), ("8G", 3, 8 * GiB),
-    ("0=512MB", 0, 512 << 20), (None, 0, None), ("", 0, None),
-])
-def test_parse_pinned_limit(value: str | None, device: int, expected: int | None) -> None:
-    assert nvml.parse_pinned_limit(value, device) == expected
-
-
-@pytest.mark.parametrize("bad", ["x=1G", "0=lots", "0:1G,1=2G"])
-def test_parse_pinned_limit_errors_name_the_variable(bad: str) -> None:
-    with pytest.raises(ValueError, match="CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"):
-        nvml.parse_pinned_limit(bad, 0)
-
-
 def test_operator_pinned_limit_format_round_trips() -> None:
     from spectrain_operator import gpu_sharing
+    from spectrain_workloads.drafter.sidecar import parse_memory
 
     text = gpu_sharing.pinned_mem_limit_env("6Gi", 2)
-    assert nvml.parse_pinned_limit(text, 1) == 6 * GiB
-
-
-@pytest.mark.parametrize(("exc", "code"), [
-    (RuntimeError("CUDA error: an illegal memory access was encountered"), exitcodes.EXIT_GPU_FAULT),
-    (RuntimeError("cudaErrorMpsClientTerminated"), exitcodes.EXIT_GPU_FAULT),
-    (ConfigError("spec.target.model.preset: unknown"), exitcodes.EXIT_CONFIG),
-    (ValueError("bad"), exitcodes.EXIT_ERROR),
-])
-def test_exit_code_for(exc: BaseException, code: int) -> None:
-    assert exitcodes.exit_code_for(exc) == code
-
-
-def test_returncode_to_exit() -> None:
-    assert exitcodes.returncode_to_exit(-9) == 137
-    assert exitcodes.returncode_to_exit(3) == 3
+    assert parse_memory(text, 1) == 6 * GiB

@@ -21,11 +21,13 @@ def test_every_operator_module_imports_with_torch_absent() -> None:
     code = (
         "import sys\n"
         "sys.modules['torch'] = None  # `import torch` now raises ImportError, as in the operator image\n"
+        "sys.modules['numpy'] = None\n"
         f"for m in {modules!r}:\n"
         "    __import__(m)\n"
-        "import spectrain_workloads.podstatus, spectrain_workloads.presets\n"
+        "import spectrain_workloads.podstatus, spectrain_workloads.contract, spectrain_workloads.config\n"
         "from spectrain_operator import cli\n"
-        "assert cli.main(['validate', '-q', 'examples/demo.yaml']) == 0\n"
+        "assert cli.main(['validate', '-q', 'examples/demo.yaml', 'examples/demo-rl.yaml']) == 0\n"
+        "assert cli.main(['validate', '-q', 'examples/invalid/layers-not-divisible.yaml']) == 1\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=OPERATOR_DIR.parents[1])

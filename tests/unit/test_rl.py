@@ -10,17 +10,19 @@ import torch
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import ModelConfig, Transformer
 from spectrain_workloads.ring import RingConsumer, RingProducer, WindowKind
-from spectrain_workloads.rl import (
+from spectrain_workloads.rl.grpo import (
     GRPOConfig,
     GRPOTrainer,
+    StepResult,
     group_advantages,
     grpo_loss,
     pad_batch,
     response_logprobs,
     sft_warmup,
 )
-from spectrain_workloads.rollout import RolloutConfig
-from spectrain_workloads.tasks import TOKENIZER, Example, get_task
+from spectrain_workloads.rl.rollout import RolloutConfig
+from spectrain_workloads.rl.sidebyside import plain_rerun
+from spectrain_workloads.rl.tasks import TOKENIZER, Example, get_task
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
@@ -140,3 +142,54 @@ def test_rollout_tail_window_and_hidden_states_on_the_ring(tmp_path: object) -> 
             _, h = policy(torch.tensor([seq[:-1]]), return_hidden=True)
         assert torch.allclose(torch.from_numpy(arrays["hidden"]), h[0], atol=1e-4)   # the rollout's own states
     producer.close()
+
+
+def _trained(plain_every: int, strategy: str = "Fixed") -> tuple[list[StepResult], Transformer, GRPOTrainer]:
+    """4 GRPO steps with speculative rollouts from a fixed seed; plain reruns every `plain_every` steps."""
+    task = get_task("copy", max_len=8)
+    policy = tiny_policy(0)
+    sft_warmup(policy, task, steps=10, batch=8, lr=1e-2)
+    drafter = Transformer(ModelConfig(vocab_size=264, dim=16, n_layers=1, n_heads=2, max_seq_len=96))
+    drafter.init_weights(1)
+    trainer = GRPOTrainer(policy, task, GRPOConfig(group_size=4, prompts_per_step=2, lr=3e-3, seed=0,
+                                                   plain_every=plain_every),
+                          RolloutConfig(max_new_tokens=10, temperature=1.0, seed=0, strategy=strategy,
+                                        max_draft_tokens=3),
+                          drafter=drafter, drafter_arch="LM")
+    return [trainer.step() for _ in range(4)], policy, trainer
+
+
+def test_plain_reruns_measure_the_speedup_without_changing_training() -> None:
+    # Fixed draft length: the rollouts do not depend on timings, so the runs must agree bit for bit.
+    off, p_off, _ = _trained(0)
+    on, p_on, _ = _trained(2)
+    assert [(r.loss, r.reward_mean, r.kl, r.tokens, r.acceptance_length) for r in on] == \
+        [(r.loss, r.reward_mean, r.kl, r.tokens, r.acceptance_length) for r in off]
+    assert all(torch.equal(a, b) for a, b in zip(p_on.state_dict().values(), p_off.state_dict().values(), strict=True))
+    assert [r.step for r in on if r.plain_rollout_s is not None] == [1, 3]        # steps 2 and 4 counted from 1
+    assert all(r.plain_rollout_s is None and "rl_step_speedup" not in r.metrics() for r in off)
+    for r in on:
+        m = r.metrics()
+        assert m["rollout_tokens_per_s"] == pytest.approx(r.tokens / r.rollout_s) and r.spec_steps > 0
+        if r.plain_rollout_s is not None:
+            assert r.plain_tokens and m["plain_rollout_s"] > 0 and m["plain_rollout_tokens_per_s"] > 0
+            assert m["rl_step_speedup"] == pytest.approx((r.plain_rollout_s + r.train_s) / r.step_s)
+
+
+def test_plain_rerun_leaves_the_engine_as_it_found_it() -> None:
+    # Bandit: the controller learns from every timed decode step; a rerun must not teach it anything.
+    _, policy, trainer = _trained(0, strategy="Bandit")
+    eng = trainer.engine
+    before = (eng.gen.get_state().clone(), {k: list(w.xs) for k, w in eng.controller.step_s.items()},
+              eng.controller.accepted, eng.controller.trials)
+    prompts = [trainer.task.prompt_ids(trainer.task.sample(random.Random(5))) for _ in range(4)]
+    run = plain_rerun(eng, prompts, keep_hidden=False)
+    assert run.seconds > 0 and run.tokens >= len(prompts) and run.tokens_per_s > 0
+    after = (eng.gen.get_state(), {k: list(w.xs) for k, w in eng.controller.step_s.items()},
+             eng.controller.accepted, eng.controller.trials)
+    assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
+
+
+def test_plain_every_must_not_be_negative() -> None:
+    with pytest.raises(ConfigError, match="plain_every"):
+        GRPOConfig(plain_every=-1)

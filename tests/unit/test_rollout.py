@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from spectrain_workloads.errors import ConfigError
-from spectrain_workloads.rollout import DraftController, EagleDraft, RolloutConfig, RolloutEngine
+from spectrain_workloads.rl.rollout import DraftController, EagleDraft, RolloutConfig, RolloutEngine
 from tests.unit.drafters import TinyEagle, tiny_model
 
 pytestmark = pytest.mark.unit

@@ -216,9 +216,11 @@ def test_nullable_fields_and_pruned_nulls() -> None:
 
 
 def test_semantic_layers_divisible_by_pipeline() -> None:
-    m = with_spec(**{"target.nodes": 3, "target.parallelism": {"pipeline": 3, "microbatches": 3}})
+    m = with_spec(**{"target.nodes": 3, "target.parallelism": {"pipeline": 3, "microbatches": 3},
+                     "target.data.batchSize": 6})
     errors = spec.validate(m)
-    assert errors and errors[0].startswith("spec.target.parallelism.pipeline: 3 stages do not divide")
+    assert errors == ["spec.target.parallelism.pipeline: 3 stages do not divide the model's 4 layers (preset debug); "
+                      "choose a divisor of 4 or set spec.target.model.overrides.n_layers"]
     m["spec"]["target"]["model"] = {"preset": "debug", "overrides": {"n_layers": 6}}
     assert spec.validate(m) == []
     m["spec"]["target"]["model"]["overrides"]["n_layers"] = "six"
@@ -228,12 +230,14 @@ def test_semantic_layers_divisible_by_pipeline() -> None:
 def test_semantic_interleaved_needs_chunks_of_layers_and_groups_of_microbatches() -> None:
     par = {"pipeline": 2, "microbatches": 4, "schedule": "Interleaved1F1B"}
     assert spec.validate(with_spec(**{"target.nodes": 2, "target.parallelism": par})) == []
-    errors = spec.validate(with_spec(**{"target.nodes": 2, "target.parallelism": {**par, "microbatches": 3}}))
+    errors = spec.validate(with_spec(**{"target.nodes": 2, "target.parallelism": {**par, "microbatches": 3},
+                                        "target.data.batchSize": 6}))
     assert errors == ["spec.target.parallelism.microbatches: Interleaved1F1B needs a multiple of pipeline (2), got 3"]
     errors = spec.validate(with_spec(**{"target.parallelism": {**par, "pipeline": 1}}))
     assert errors and errors[0].startswith("spec.target.parallelism.pipeline: Interleaved1F1B")
     errors = spec.validate(with_spec(**{"target.nodes": 4, "target.parallelism": {**par, "pipeline": 4}}))
-    assert errors and errors[0].startswith("spec.target.parallelism.schedule: Interleaved1F1B needs 2 virtual")
+    assert errors and errors[0].startswith("spec.target.parallelism.schedule: Interleaved1F1B gives each of the 4 "
+                                           "pipeline ranks 2 model chunks")
 
 
 def test_semantic_seq_len_within_the_model() -> None:

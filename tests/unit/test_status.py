@@ -179,6 +179,60 @@ def test_failure_policy_rules(action: str, phase: str, towards_max: int, drafter
     assert other.status["phase"] == "Restarting" and other.status["restartsTowardsMax"] == 1
 
 
+CONFIG_LINE = ("configuration error: spec.target.data.batchSize: 6 must be a multiple of "
+               "spec.target.parallelism.microbatches (4)")
+
+
+def config_exit(message: str = CONFIG_LINE) -> dict[str, Any]:
+    out = exited(2)
+    out["state"]["terminated"]["message"] = message
+    return out
+
+
+def test_target_config_error_fails_the_job_without_a_restart() -> None:
+    j = job(created_status())
+    pods = running(j)
+    pods[1]["status"]["containerStatuses"][0].update(config_exit())
+    pods[1]["status"]["phase"] = "Failed"
+    plan = st.decide(j, pods, NOW)
+    assert plan.status["phase"] == "Failed"
+    failed = cond(plan, "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "ConfigError"
+    assert failed["message"].startswith("j-1: target exited with code 2") and CONFIG_LINE in failed["message"]
+    assert plan.status["restarts"] == 0 and plan.status["restartsTowardsMax"] == 0
+    assert plan.status["restartGeneration"] == 0 and plan.create_nodes == []
+    assert plan.delete_pods == ["j-0"]  # the still-running rank; the failed pod is kept for its logs
+    assert CONFIG_LINE in plan.status["lastFailure"]
+    assert plan.status["completionTime"] == st.fmt_time(NOW)
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", "Failed")]
+    assert CONFIG_LINE in plan.events[0].message
+    # terminal: the next pass changes nothing and restarts nothing
+    j["status"] = plan.status
+    again = st.decide(j, pods, NOW + timedelta(seconds=30))
+    assert again.status["phase"] == "Failed" and again.status["restarts"] == 0 and again.create_nodes == []
+
+
+def test_a_rule_on_exit_2_wins_over_config_error() -> None:
+    rules = [{"action": "RestartJob", "onExitCodes": {"container": "target", "operator": "In", "values": [2]}}]
+    j = job(created_status(), runPolicy={"failurePolicy": {"rules": rules}})
+    pods = running(j)
+    pods[0]["status"]["containerStatuses"][0].update(config_exit())
+    plan = st.decide(j, pods, NOW)
+    assert plan.status["phase"] == "Restarting"
+    assert plan.status["restarts"] == 1 and plan.status["restartsTowardsMax"] == 1
+    assert cond(plan, "Failed") is None and CONFIG_LINE in plan.status["lastFailure"]
+
+
+def test_drafter_config_error_keeps_the_job_running() -> None:
+    j = job(created_status())
+    pods = running(j, drafter={"restartCount": 1, "state": {"running": {}},
+                               "lastState": {"terminated": {"exitCode": 2, "reason": "Error",
+                                                            "message": "configuration error: bad drafter"}}})
+    plan = st.decide(j, pods, NOW)
+    assert plan.status["phase"] == "Running" and plan.delete_pods == []
+    assert plan.status["drafterFailures"] == 1 and cond(plan, "Failed") is None
+
+
 def test_drafter_crash_never_fails_or_restarts_the_job() -> None:
     j = job(created_status())
     pods = running(j, drafter={"restartCount": 1, "state": {"running": {}},

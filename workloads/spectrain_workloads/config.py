@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
+from spectrain_workloads.contract import WINDOW_KINDS
 from spectrain_workloads.errors import ConfigError
-
-WINDOW_KINDS = ("Bubble", "Communication", "Imbalance", "RolloutTail")
 
 
 @dataclass(kw_only=True)
@@ -121,6 +120,13 @@ class ExportSpec:
 
 
 @dataclass(kw_only=True)
+class ExchangeSpec:
+    enabled: bool = True
+    bandwidth_m_bps: float = 64.0        # bandwidthMBps: MB/s a drafter sends to its peers, at most
+    combine_every_seconds: float = 10.0
+
+
+@dataclass(kw_only=True)
 class DrafterSpec:
     enabled: bool = True
     arch: str = "Eagle"
@@ -129,6 +135,7 @@ class DrafterSpec:
     gpu_share: GpuShareSpec = field(default_factory=GpuShareSpec)
     optimizer: DrafterOptimizerSpec = field(default_factory=DrafterOptimizerSpec)
     export: ExportSpec = field(default_factory=ExportSpec)
+    exchange: ExchangeSpec = field(default_factory=ExchangeSpec)
     max_failures: int = 3
 
 

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from spectrain_workloads.checkpoint import atomic_write
+from spectrain_workloads.contract import WINDOW_KINDS
 
-KINDS = ("Bubble", "Communication", "Imbalance")
+KINDS = WINDOW_KINDS[:3]      # the target trainer's kinds; RolloutTail (mode RL) is counted as it comes
 
 
 def relative_error(rec: dict[str, Any]) -> float | None:

@@ -10,88 +10,15 @@ Shapes: B batch, T tokens, H model dim, V vocab, n heads, d head dim (H = n * d)
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spectrain_workloads.contract import ModelConfig, model_config
 from spectrain_workloads.errors import ConfigError
-from spectrain_workloads.presets import PRESETS
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    vocab_size: int = 264          # byte tokenizer: 256 bytes + specials, padded to a multiple of 8
-    dim: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
-    ffn_dim: int | None = None     # SwiGLU hidden; None = 8/3 * dim rounded to multiple_of
-    multiple_of: int = 32
-    max_seq_len: int = 512
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        if self.dim % self.n_heads:
-            raise ConfigError(
-                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads}); "
-                "change one of them in target.model.overrides"
-            )
-        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})"
-            )
-        if (self.dim // self.n_heads) % 2:
-            raise ConfigError(f"head dim dim/n_heads = {self.dim // self.n_heads} must be even for RoPE")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def hidden_dim(self) -> int:
-        if self.ffn_dim is not None:
-            return self.ffn_dim
-        h = int(8 * self.dim / 3)
-        return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-
-
-def model_config(preset: str, overrides: dict[str, Any] | None = None, **fixed: Any) -> ModelConfig:
-    """Preset + user overrides (+ values the runtime fixes, e.g. the tokenizer's vocab_size).
-
-    Unknown presets and unknown override keys are errors that name the bad key and the fix.
-    """
-    if preset not in PRESETS:
-        raise ConfigError(f"model.preset {preset!r} is unknown; use one of {sorted(PRESETS)}")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    for key in overrides or {}:
-        if key not in known:
-            raise ConfigError(
-                f"target.model.overrides.{key} is not a model setting; valid keys: {sorted(known)}"
-            )
-    merged = {**PRESETS[preset], **(overrides or {}), **fixed}
-    try:
-        return ModelConfig(**merged)
-    except TypeError as exc:  # wrong value types surface here
-        raise ConfigError(f"target.model.overrides: {exc}") from exc
 
 
 class RMSNorm(nn.Module):
@@ -322,6 +249,6 @@ def count_params(module: nn.Module) -> int:
 
 
 __all__ = [
-    "ModelConfig", "PRESETS", "model_config", "Transformer", "Block", "RMSNorm", "KVCache",
+    "ModelConfig", "model_config", "Transformer", "Block", "RMSNorm", "KVCache",
     "causal_decode_mask", "count_params",
 ]

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-EXIT_TERMINATED = 128 + signal.SIGTERM   # shell convention for "ended by SIGTERM"
+from spectrain_workloads.contract import EXIT_TERMINATED
 
 
 def block_sigterm() -> None:

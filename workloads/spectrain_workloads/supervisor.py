@@ -16,7 +16,11 @@ SIGTERM / SIGINT are forwarded to the target and the drafter; the MPS daemon is 
 At exit the supervisor writes its verdict as JSON to ``--termination-log`` (the container's
 terminationMessagePath), which spectrain_operator.faults.classify_pod reads:
 ``{"spectrainSupervisor": {"cause": "success" | "target" | "mps" | "mps-by-drafter" | "mps-daemon",
-"targetExitCode", "drafterFailures", "drafterDisabled", "lastDrafterExitCode", "mpsExitCode"}}``.
+"targetExitCode", "drafterFailures", "drafterDisabled", "lastDrafterExitCode", "mpsExitCode",
+"targetMessage"}}``. The target and the drafter each get a private SPECTRAIN_TERMINATION_LOG (so
+neither clobbers the verdict); ``targetMessage`` carries the target's fatal error line from it (a
+configuration error's message reaches the job's Failed/ConfigError condition that way). The
+supervisor's own usage errors exit 2 (EXIT_CONFIG) with the error as the termination message.
 
 No torch import; waits on child exits through a signal wakeup fd (no polling loop with sleeps).
 """
@@ -27,18 +31,30 @@ import argparse
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spectrain_workloads.exitcodes import EXIT_GPU_FAULT, GPU_FAULT_EXIT_CODES, returncode_to_exit
+from spectrain_workloads.contract import (
+    ENV_TERMINATION_LOG,
+    EXIT_CONFIG,
+    EXIT_GPU_FAULT,
+    GPU_FAULT_EXIT_CODES,
+    MPS_LOSS_WINDOW_S,
+    SUPERVISOR_VERDICT_KEY,
+    TERMINATION_LOG,
+)
+from spectrain_workloads.exitcodes import returncode_to_exit, write_termination_message
 
-MPS_LOSS_WINDOW_S = 30.0
-VERDICT_KEY = "spectrainSupervisor"
+# The target's fatal error line carried in the verdict (the whole verdict must stay under the
+# kubelet's 4096-byte termination message limit).
+MAX_TARGET_MESSAGE_CHARS = 1024
 
 
 def _log(msg: str) -> None:
@@ -53,15 +69,17 @@ class Verdict:
     drafter_disabled: bool = False
     last_drafter_exit_code: int | None = None
     mps_exit_code: int | None = None
+    target_message: str | None = None
 
     def to_json(self) -> str:
-        return json.dumps({VERDICT_KEY: {
+        return json.dumps({SUPERVISOR_VERDICT_KEY: {
             "cause": self.cause,
             "targetExitCode": self.target_exit_code,
             "drafterFailures": self.drafter_failures,
             "drafterDisabled": self.drafter_disabled,
             "lastDrafterExitCode": self.last_drafter_exit_code,
             "mpsExitCode": self.mps_exit_code,
+            "targetMessage": self.target_message,
         }}, sort_keys=True)
 
 
@@ -77,7 +95,7 @@ class SupervisorConfig:
     mps_ready: list[str] | None = None
     mps_ready_timeout_s: float = 60.0
     stop_grace_s: float = 10.0
-    termination_log: str | None = "/dev/termination-log"
+    termination_log: str | None = TERMINATION_LOG
 
 
 class Supervisor:
@@ -92,6 +110,7 @@ class Supervisor:
         self._drafter_failed_at: float | None = None
         self._mps_lost_at: float | None = None
         self._stop_signal: int | None = None
+        self._messages = tempfile.mkdtemp(prefix="spectrain-supervisor-")  # the children's termination logs
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._wfd, False)
         os.set_blocking(self._rfd, False)
@@ -137,7 +156,8 @@ class Supervisor:
 
     def _start_drafter(self) -> None:
         assert self.cfg.drafter is not None
-        env = {**os.environ, **self.cfg.drafter_env}
+        env = {**os.environ, **self.cfg.drafter_env,
+               ENV_TERMINATION_LOG: os.path.join(self._messages, "drafter")}
         _log(f"starting drafter: {self.cfg.drafter}")
         self._drafter = self._spawn(self.cfg.drafter, env)
         self._drafter_restart_at = None
@@ -249,6 +269,7 @@ class Supervisor:
             self._restore_signals(old)
             os.close(self._rfd)
             os.close(self._wfd)
+            shutil.rmtree(self._messages, ignore_errors=True)
 
     def _run(self) -> int:
         if not self._start_mps():
@@ -264,7 +285,8 @@ class Supervisor:
         if self.cfg.drafter:
             self._start_drafter()
         _log(f"starting target: {self.cfg.target}")
-        self._target = self._spawn(self.cfg.target)
+        target_log = os.path.join(self._messages, "target")
+        self._target = self._spawn(self.cfg.target, {**os.environ, ENV_TERMINATION_LOG: target_log})
         forwarded = False
         while True:
             # drafter before target: when both died in this round, the drafter's exit is recorded first
@@ -289,6 +311,7 @@ class Supervisor:
         target_exit = returncode_to_exit(code)
         same_round = self._check_drafter() or drafter_exited
         self.verdict.target_exit_code = target_exit
+        self.verdict.target_message = self._read_message(target_log)
         self.verdict.cause = self._decide_cause(target_exit, target_end, same_round)
         self._drafter_restart_at = None
         self._stop(self._drafter, self.cfg.stop_grace_s)
@@ -296,6 +319,15 @@ class Supervisor:
         _log(f"target exited with {target_exit} (cause: {self.verdict.cause})")
         self._write_verdict()
         return target_exit
+
+    @staticmethod
+    def _read_message(path: str) -> str | None:
+        try:
+            with open(path, errors="replace") as f:
+                text = " ".join(f.read(MAX_TARGET_MESSAGE_CHARS * 4).split())
+        except OSError:
+            return None
+        return text[:MAX_TARGET_MESSAGE_CHARS] or None
 
     def _write_verdict(self) -> None:
         path = self.cfg.termination_log
@@ -335,7 +367,7 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
     p.add_argument("--drafter-max-failures", type=int, default=3)
     p.add_argument("--drafter-backoff-s", type=float, default=1.0)
     p.add_argument("--stop-grace-s", type=float, default=10.0)
-    p.add_argument("--termination-log", default="/dev/termination-log")
+    p.add_argument("--termination-log", default=os.environ.get(ENV_TERMINATION_LOG) or TERMINATION_LOG)
     a = p.parse_args(own)
     env = json.loads(a.drafter_env)
     if not isinstance(env, dict):
@@ -357,7 +389,15 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise  # --help (0) or argparse's own usage error (2, already printed)
+        # The pod's command line cannot run: a configuration error, not worth a restart.
+        print(exc.code, file=sys.stderr, flush=True)
+        write_termination_message(f"configuration error: {exc.code}")
+        return EXIT_CONFIG
     return Supervisor(cfg).run()
 
 

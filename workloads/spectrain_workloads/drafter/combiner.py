@@ -112,7 +112,9 @@ def collate(samples: list[Sample], device: torch.device) -> tuple[torch.Tensor, 
 
 
 @dataclass
-class Plan:
+class WindowWork:
+    """What one window's budget buys: `micro_steps` micro-batches of `micro_batch` samples."""
+
     micro_batch: int
     micro_steps: int          # how many of them fit the budget
     cost_ns: int | None       # predicted cost of one (None: not measured yet)
@@ -150,29 +152,29 @@ class BatchCombiner:
         b0 = max(below)
         return int(self.cost.estimate(micro_key(b0)) * b / b0)  # type: ignore[operator]
 
-    def plan(self, budget_ns: int, available: int) -> Plan | None:
+    def plan(self, budget_ns: int, available: int) -> WindowWork | None:
         """The micro-batch size that trains the most samples within budget_ns (ties: the larger size).
 
         A size never measured is tried first when its pessimistic (linearly scaled) cost fits:
         linear scaling alone would never show that a larger batch is cheaper per sample.
         """
         limit = min(self.max_micro_batch, self.memory_cap_samples, available)
-        best: Plan | None = None
+        best: WindowWork | None = None
         for b in self.sizes:
             if b > limit:
                 break
             c = self.micro_cost(b)
             if c is None:
                 if b == 1:
-                    return Plan(1, 1, None)   # the unit itself, not yet measured
+                    return WindowWork(1, 1, None)   # the unit itself, not yet measured
                 continue
             n = budget_ns // max(c, 1)
             if n < 1:
                 continue
             if self.cost.estimate(micro_key(b)) is None:
-                return Plan(b, int(min(n, 1 << 30)), c)          # explore
+                return WindowWork(b, int(min(n, 1 << 30)), c)          # explore
             if best is None or n * b >= best.micro_steps * best.micro_batch:
-                best = Plan(b, int(min(n, 1 << 30)), c)
+                best = WindowWork(b, int(min(n, 1 << 30)), c)
         return best
 
     def note_micro_step(self, b: int) -> None:

@@ -43,6 +43,10 @@ class CostModel:
     def observe(self, key: Hashable, ns: int) -> None:
         self._samples.setdefault(key, deque(maxlen=self.window)).append(int(ns))
 
+    def forget(self) -> None:
+        """Drop every measurement (costs are measured again, e.g. after a busy spell inflated them)."""
+        self._samples = {}
+
     def estimate(self, key: Hashable) -> int | None:
         s = self._samples.get(key)
         return int(quantile(s, self.q)) if s else None

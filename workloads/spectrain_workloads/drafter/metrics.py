@@ -77,6 +77,9 @@ class Metrics:
         self.windows_seen = 0
         self.windows_worked = 0
         self.windows_short = 0            # of an allowed kind but shorter than unit + margin
+        # windows that fit no training micro-step but a verification chunk (acceptance on fresh
+        # samples): used, without a gradient step
+        self.windows_verify_only = 0
         self.short_worked = 0             # ... in which the drafter nevertheless worked (should stay 0)
         self.overruns_ns: deque[int] = deque(maxlen=history)
         self.losses: deque[float] = deque(maxlen=64)
@@ -114,6 +117,7 @@ class Metrics:
         if rec is None:
             return
         self.windows_worked += 1
+        self.windows_verify_only += set(rec.tasks) == {"verify"}
         overrun = max(0, rec.end_ns - w.end_ns)
         self.overruns_ns.append(overrun)
         self._write_record(rec, w.start_ns, w.end_ns, overrun, inside)
@@ -157,6 +161,7 @@ class Metrics:
             "windowsSeen": self.windows_seen,
             "windowsWorked": self.windows_worked,
             "windowsTooShort": self.windows_short,
+            "windowsVerifyOnly": self.windows_verify_only,
             "overrunMsP50": self.overrun_ms(0.5),
             "overrunMsP99": self.overrun_ms(0.99),
             "overrunMsMax": self.overrun_ms(1.0),
@@ -169,11 +174,13 @@ class Metrics:
         return {"harvested_ns": self.harvested_ns, "usable_ns": self.usable_ns,
                 "usable_busy_ns": self.usable_busy_ns, "busy_ns": self.busy_ns,
                 "windows_seen": self.windows_seen, "windows_worked": self.windows_worked,
+                "windows_short": self.windows_short, "windows_verify_only": self.windows_verify_only,
                 "acceptance": self.acceptance}
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
         self.harvested_ns = {k: int(v) for k, v in s.get("harvested_ns", {}).items()}
-        for name in ("usable_ns", "usable_busy_ns", "busy_ns", "windows_seen", "windows_worked"):
+        for name in ("usable_ns", "usable_busy_ns", "busy_ns", "windows_seen", "windows_worked", "windows_short",
+                     "windows_verify_only"):
             setattr(self, name, int(s.get(name, 0)))
         self.acceptance = s.get("acceptance")
 

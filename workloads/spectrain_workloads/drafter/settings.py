@@ -12,22 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from spectrain_workloads.config import WINDOW_KINDS, DrafterSpec
+from spectrain_workloads.config import DrafterSpec
+from spectrain_workloads.contract import ACTIVATION_POLICIES, DRAFTER_ARCHS, DRAFTER_PRESETS, WINDOW_KINDS
 from spectrain_workloads.errors import ConfigError
-
-ARCHS = ("Eagle", "LM")
-POLICIES = ("IdleOnly", "Always", "Off")
-
-# Drafter presets. `lm_*` size the standalone LM drafter (the Eagle drafter's single decoder
-# layer always has the target's width); the rest are training hyperparameters.
-DRAFTER_PRESETS: dict[str, dict[str, Any]] = {
-    "debug": dict(lm_dim=32, lm_layers=1, lm_heads=2, samples_per_step=8, max_micro_batch=8,
-                  buffer_mb=64, seq_cap=32, eval_samples=16),
-    "small": dict(lm_dim=128, lm_layers=2, lm_heads=4, samples_per_step=16, max_micro_batch=16,
-                  buffer_mb=256, seq_cap=128, eval_samples=16),
-    "base": dict(lm_dim=512, lm_layers=4, lm_heads=8, samples_per_step=32, max_micro_batch=32,
-                 buffer_mb=1024, seq_cap=256, eval_samples=16),
-}
 
 
 @dataclass(kw_only=True)
@@ -66,13 +53,13 @@ class DrafterSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ConfigError(f"spec.drafter.arch {self.arch!r} is unknown; use one of {list(ARCHS)}")
+        if self.arch not in DRAFTER_ARCHS:
+            raise ConfigError(f"spec.drafter.arch {self.arch!r} is unknown; use one of {list(DRAFTER_ARCHS)}")
         if self.preset not in DRAFTER_PRESETS:
             raise ConfigError(f"spec.drafter.preset {self.preset!r} is unknown; use one of {sorted(DRAFTER_PRESETS)}")
-        if self.policy not in POLICIES:
+        if self.policy not in ACTIVATION_POLICIES:
             raise ConfigError(
-                f"spec.drafter.activation.policy {self.policy!r} is unknown; use one of {list(POLICIES)}")
+                f"spec.drafter.activation.policy {self.policy!r} is unknown; use one of {list(ACTIVATION_POLICIES)}")
         if not self.kinds:
             raise ConfigError("spec.drafter.activation.kinds is empty; list at least one of " f"{list(WINDOW_KINDS)}")
         bad = [k for k in self.kinds if k not in WINDOW_KINDS]

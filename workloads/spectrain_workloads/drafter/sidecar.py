@@ -11,7 +11,9 @@ One worker per local rank follows ring file `ring-<i>`: in this process for one 
 else in one spawned process each. A disabled drafter (SPECTRAIN_DRAFTER_ENABLED=0, drafter.enabled
 false, policy Off) stays up idle, since a native sidecar that exits is restarted by the kubelet.
 SIGTERM: each worker finishes its current task (<= one micro-step), writes a checkpoint and
-exits 0, well inside the default 30 s grace period.
+exits 0, well inside the default 30 s grace period. A fatal error exits with
+spectrain_workloads.exitcodes' code (2 for a configuration error) and writes its line as the
+container's termination message (`write_termination_message`); drafter faults never fail the job.
 """
 
 from __future__ import annotations
@@ -105,10 +107,12 @@ def run_worker(local_rank: int, stop: Any = None) -> int:
     import torch
 
     from spectrain_workloads import config
+    from spectrain_workloads.contract import require_valid
     from spectrain_workloads.drafter.worker import Worker
 
     stop = stop or threading.Event()
     cfg = config.load()
+    require_valid(cfg)
     settings = _settings(cfg)
     ring_dir = os.environ.get("SPECTRAIN_RING_DIR")
     run_dir = os.environ.get("SPECTRAIN_RUN_DIR")
@@ -125,10 +129,30 @@ def run_worker(local_rank: int, stop: Any = None) -> int:
     enabled = os.environ.get("SPECTRAIN_DRAFTER_ENABLED", "1") != "0" and cfg.drafter.enabled
     if not enabled:
         settings.policy = "Off"
+    fleet = _fleet(cfg, rank, world, export_rank) if settings.policy != "Off" else None
     worker = Worker(settings=settings, rank=rank, ring_path=Path(ring_dir) / f"ring-{local_rank}",
                     run_dir=Path(run_dir), export_dir=export_dir if rank == export_rank else None,
-                    device=device, stop=stop, memory_cap_bytes=_memory_cap(device))
-    return worker.run()
+                    device=device, stop=stop, memory_cap_bytes=_memory_cap(device), fleet=fleet)
+    try:
+        return worker.run()
+    finally:
+        if fleet is not None:
+            fleet.close()
+
+
+def _fleet(cfg: Any, rank: int, world: int, export_rank: int) -> Any:
+    """The exchange with the job's other drafters (drafter.fleet); None alone or when turned off."""
+    from spectrain_workloads.drafter.fleet import BIND_ENV, PEERS_ENV, Fleet, FleetConfig, parse_peers
+
+    ex = cfg.drafter.exchange
+    peers = os.environ.get(PEERS_ENV, "")
+    if world < 2 or not ex.enabled or not peers:
+        return None
+    return Fleet(FleetConfig(
+        rank=rank, world=world, pipeline=cfg.target.parallelism.pipeline, coordinator=export_rank,
+        addresses=parse_peers(peers, world, _env_int("LOCAL_WORLD_SIZE", 1)),
+        bind_host=os.environ.get(BIND_ENV, "0.0.0.0"), bandwidth_bytes_per_s=ex.bandwidth_m_bps * 1e6,
+        combine_every_s=ex.combine_every_seconds))
 
 
 def _child(local_rank: int, stop: Any) -> None:
@@ -137,18 +161,27 @@ def _child(local_rank: int, stop: Any) -> None:
     sys.exit(_guarded(lambda: run_worker(local_rank, stop)))
 
 
-def _guarded(fn: Any) -> int:
-    from spectrain_workloads.exitcodes import exit_code_for
+def _fail(exc: BaseException) -> int:
+    """Log the fatal error, write it as the container's termination message, return the exit code."""
+    from spectrain_workloads.exitcodes import exit_code_for, fatal_message, write_termination_message
 
+    print(f"spectrain-drafter: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    write_termination_message(fatal_message(exc))
+    return exit_code_for(exc)
+
+
+def _guarded(fn: Any) -> int:
     try:
         return int(fn())
     except Exception as exc:  # the exit code tells the operator's failure policy what happened
-        print(f"spectrain-drafter: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return exit_code_for(exc)
+        return _fail(exc)
 
 
 def main(argv: list[str] | None = None) -> int:
-    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
+    try:
+        local_world = _env_int("LOCAL_WORLD_SIZE", 1)
+    except ConfigError as exc:
+        return _fail(exc)
     if local_world == 1:
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from spectrain_workloads import nvml
 from spectrain_workloads.drafter import export as ex
 from spectrain_workloads.drafter.combiner import (
     OPTIM_KEY,
@@ -29,13 +30,19 @@ from spectrain_workloads.drafter.combiner import (
     SampleBuffer,
     micro_key,
 )
+from spectrain_workloads.drafter.fleet import Fleet
 from spectrain_workloads.drafter.gating import UNIT_KEY, Budget, CostModel, Gate, WindowTracker
 from spectrain_workloads.drafter.metrics import NO_WINDOW, Metrics, write_summary
 from spectrain_workloads.drafter.models import load_target_shared, shared_stamp
+from spectrain_workloads.drafter.replicas import Replicas
 from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.drafter.train import DrafterTrainer
 
 ALWAYS_SLICE_NS = 50_000_000     # policy Always: return to housekeeping this often
+# A unit of work measured while the machine was busy can exceed every window, and the drafter then
+# never works again to learn otherwise: with data but no work for this long, measure again
+# (outside windows, a few micro-steps), backing off x2 up to REMEASURE_MAX_S while it stays idle.
+REMEASURE_AFTER_S, REMEASURE_MAX_S = 10.0, 300.0
 WAIT_S = 0.05                    # longest block on the ring between housekeeping checks
 
 
@@ -55,11 +62,14 @@ def _prewarm() -> None:
 class Worker:
     def __init__(self, *, settings: DrafterSettings, rank: int, ring_path: Path, run_dir: Path,
                  export_dir: Path | None, device: torch.device, stop: threading.Event,
-                 memory_cap_bytes: int | None = None, ring_wait_s: float = 1.0) -> None:
+                 memory_cap_bytes: int | None = None, ring_wait_s: float = 1.0, fleet: Fleet | None = None) -> None:
         self.s, self.rank, self.ring_path, self.run_dir = settings, rank, ring_path, run_dir
         self.export_dir, self.device, self.stop = export_dir, device, stop
         self.memory_cap_bytes = memory_cap_bytes
+        self.fleet = fleet                   # the other drafters of the job (samples, combined weights)
         self.ring_wait_s = ring_wait_s
+        # NVML's view of the GPU (MPS client? caps, memory), once: the summary's `gpu` field.
+        self.gpu = nvml.report().to_dict() if device.type == "cuda" else None
         self.cost = CostModel()
         self.tracker = WindowTracker()
         self.gate = Gate(policy=settings.policy, kinds=settings.kinds, safety_margin_ms=settings.safety_margin_ms,
@@ -69,6 +79,7 @@ class Worker:
         self.combiner = BatchCombiner(max_micro_batch=settings.max_micro_batch,
                                       samples_per_step=settings.samples_per_step, cost=self.cost)
         self.metrics = Metrics(run_dir / "metrics" / f"drafter-rank-{rank}.jsonl", kinds=settings.kinds)
+        self.replicas = Replicas(fleet, rank, log=self.metrics.log) if fleet is not None else None
         self.ckpt_root = ex.checkpoint_root(run_dir, rank)
         self.trainer: DrafterTrainer | None = None
         self.consumer: Any = None
@@ -82,6 +93,8 @@ class Worker:
         self._last_verify = time.monotonic()
         self.ready_ns = 1 << 62          # when the drafter was ready to work (monotonic ns)
         self.calibrated = False
+        self._last_work = time.monotonic()
+        self._remeasure_s = REMEASURE_AFTER_S
 
     # ------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -97,6 +110,8 @@ class Worker:
                 if self.trainer is not None and not self.calibrated and self.buffer.trainable():
                     self._calibrate(self.trainer, self.buffer.train[-1].length)
                 did = self._work() if self.calibrated else False
+                if did:
+                    self._last_work, self._remeasure_s = time.monotonic(), REMEASURE_AFTER_S
                 if not did:
                     # Sleep until a window event or data arrives (either can unblock work: a window
                     # opened with an empty buffer waits for the step's data, not for the next event).
@@ -122,6 +137,9 @@ class Worker:
                 # lose them (they are not checkpointed), so a short run still exports what it learnt
                 self.trainer.optimizer_step(self.combiner.accumulated)
                 self.combiner.note_optimizer_step()
+            if self.replicas is not None and self.replicas.sync is not None and self.combiner.optimizer_steps > 0:
+                if self.replicas.final_round(self.combiner.samples_trained, self.version + 1) is not None:
+                    self._checkpoint("combined")          # the coordinator exports the last version
             if self.trainer is not None and self.combiner.optimizer_steps > self.steps_at_ckpt:
                 self._checkpoint("shutdown")
             self.metrics.flush_unwindowed()
@@ -173,6 +191,8 @@ class Worker:
             self.steps_at_ckpt = self.combiner.optimizer_steps
             self.artifact = resumed.get("artifact", "")
         self.trainer = trainer
+        if self.replicas is not None:
+            self.replicas.start(trainer.model, self.combiner.samples_trained, self.version)
         self.metrics.log("setup", resumed_version=resumed and self.version, setup_ns=time.monotonic_ns() - t0)
         self._set_state("Waiting", "NoData" if not self.buffer.trainable() else "NoWindow")
         return True
@@ -244,7 +264,7 @@ class Worker:
         for _ in range(limit):
             rec = self.consumer.next_data()
             if rec is None:
-                return added
+                break
             arrays, meta = rec.arrays, rec.meta
             if "tokens" not in arrays:
                 continue
@@ -252,14 +272,21 @@ class Worker:
             hidden = _tensor(arrays["hidden"], meta.get("dtype")) if "hidden" in arrays else None
             if not rec.valid():
                 continue   # overwritten while copying
-            chunks = self._chunks(tokens, None if hidden is None else hidden.float(), int(meta.get("step", -1)))
-            if self.trainer is not None and chunks and not self.trainer.usable(chunks[0]):
-                continue
-            if chunks:
-                self.data_seen += 1
-                self.buffer.add_sequence(chunks)
-                added += 1
+            if self.fleet is not None:
+                self.fleet.share(tokens, hidden, int(meta.get("step", -1)))
+            added += self._add_sequence(tokens, None if hidden is None else hidden.float(), int(meta.get("step", -1)))
+        if self.fleet is not None:
+            for tok, hid, step, _src in self.fleet.take_samples(max(0, limit - added)):
+                added += self._add_sequence(tok, None if hid is None else hid.float(), step)
         return added
+
+    def _add_sequence(self, tokens: torch.Tensor, hidden: torch.Tensor | None, step: int) -> int:
+        chunks = self._chunks(tokens, hidden, step)
+        if not chunks or (self.trainer is not None and not self.trainer.usable(chunks[0])):
+            return 0
+        self.data_seen += 1
+        self.buffer.add_sequence(chunks)
+        return 1
 
     def _chunks(self, tokens: torch.Tensor, hidden: torch.Tensor | None, step: int) -> list[Sample]:
         """A published sequence cut into chunks of seq_cap positions (the unit of work is one chunk:
@@ -336,6 +363,8 @@ class Worker:
                     self._acceptance(result.to_dict())
             t1 = time.monotonic_ns()
             self.cost.observe(key, t1 - t0)
+            if name != "verify" and self.replicas is not None:
+                self.replicas.work_ns += t1 - t0
             kind = budget.window.kind if budget.window else "None"
             self.metrics.task(wid, kind, name, t0, t1, samples=b, loss=loss)
             did = True
@@ -378,6 +407,14 @@ class Worker:
                 if shared is not None:
                     self.trainer.refresh_target(shared)
                     self._stamp = shared.stamp
+        if (self.calibrated and self.buffer.trainable() and self.combiner.accumulated == 0
+                and time.monotonic() - self._last_work > self._remeasure_s):
+            self._last_work, self._remeasure_s = time.monotonic(), min(2 * self._remeasure_s, REMEASURE_MAX_S)
+            self.cost.forget()
+            self._calibrate(self.trainer, self.buffer.train[-1].length)
+        if self.replicas is not None and self.combiner.optimizer_steps > 0:
+            if self.replicas.round(self.combiner.samples_trained, self.version + 1) is not None:
+                self._checkpoint("combined")      # the coordinator exports the combined version
         if self.combiner.optimizer_steps > self.steps_at_ckpt and (
                 self.version == 0 or self._due("checkpoint", self.s.checkpoint_every_s)):
             # the first optimizer step exports at once (a deployable artifact early), then periodically
@@ -434,9 +471,11 @@ class Worker:
             "unitMs": None if unit is None else unit / 1e6, "costsMs": costs,
             "samplesTrained": self.combiner.samples_trained, "optimizerSteps": self.combiner.optimizer_steps,
             "microSteps": self.combiner.micro_steps, "dataReceived": self.data_seen,
+            **(self.replicas.summary() if self.replicas is not None else {}),
             "dataDropped": getattr(self.consumer, "data_dropped", 0),
             "windowsMissed": getattr(self.consumer, "windows_missed", 0),
             "mpsActiveThreadPercentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+            "gpu": self.gpu,
             "updatedAt": time.time(),
         }
 

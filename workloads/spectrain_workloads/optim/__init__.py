@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from spectrain_workloads.config import OptimizerSpec
+from spectrain_workloads.contract import BASIS_GEOMETRIES, BASIS_SOURCES, OPTIMIZERS
 from spectrain_workloads.errors import ConfigError
-from spectrain_workloads.optim.basis_rotation import GEOMETRIES, SOURCES, BasisRotation
+from spectrain_workloads.optim.basis_rotation import BasisRotation
 from spectrain_workloads.optim.pipedream_lr import PipeDreamLR, staleness_lr_factor
 
-OPTIMIZERS = ("AdamW", "BasisRotation")
 BETAS = (0.9, 0.95)
 EPS = 1e-8
 WEIGHT_DECAY = 0.1
@@ -93,10 +93,10 @@ def _validate(spec: OptimizerSpec, stage: int, n_stages: int) -> None:
         base = "spec.target.optimizer.basisRotation"
         if not isinstance(br.refresh_every, int) or br.refresh_every < 1:
             raise ConfigError(f"{base}.refreshEvery must be an integer >= 1, got {br.refresh_every!r}")
-        if br.geometry not in GEOMETRIES:
-            raise ConfigError(f"{base}.geometry {br.geometry!r} is not one of {list(GEOMETRIES)}")
-        if br.source not in SOURCES:
-            raise ConfigError(f"{base}.source {br.source!r} is not one of {list(SOURCES)}")
+        if br.geometry not in BASIS_GEOMETRIES:
+            raise ConfigError(f"{base}.geometry {br.geometry!r} is not one of {list(BASIS_GEOMETRIES)}")
+        if br.source not in BASIS_SOURCES:
+            raise ConfigError(f"{base}.source {br.source!r} is not one of {list(BASIS_SOURCES)}")
         if not isinstance(br.stage_aware, bool):
             raise ConfigError(f"{base}.stageAware must be true or false, got {br.stage_aware!r}")
 

@@ -27,10 +27,8 @@ from typing import Any
 
 import torch
 
+from spectrain_workloads.contract import BASIS_GEOMETRIES, BASIS_SOURCES
 from spectrain_workloads.errors import ConfigError
-
-GEOMETRIES = ("Bilateral", "Unilateral")
-SOURCES = ("SecondMoment", "FirstMoment")
 
 
 def _check(field: str, ok: bool, msg: str) -> None:
@@ -66,9 +64,9 @@ class BasisRotation(torch.optim.Optimizer):
         base = "spec.target.optimizer"
         _check(f"{base}.lr", lr > 0, f"must be > 0, got {lr}")
         _check(f"{base}.basisRotation.refreshEvery", refresh_every >= 1, f"must be >= 1, got {refresh_every!r}")
-        _check(f"{base}.basisRotation.geometry", geometry in GEOMETRIES,
-               f"{geometry!r} is not one of {list(GEOMETRIES)}")
-        _check(f"{base}.basisRotation.source", source in SOURCES, f"{source!r} is not one of {list(SOURCES)}")
+        _check(f"{base}.basisRotation.geometry", geometry in BASIS_GEOMETRIES,
+               f"{geometry!r} is not one of {list(BASIS_GEOMETRIES)}")
+        _check(f"{base}.basisRotation.source", source in BASIS_SOURCES, f"{source!r} is not one of {list(BASIS_SOURCES)}")
         _check("betas", all(0.0 <= b < 1.0 for b in betas), f"each beta must be in [0, 1), got {betas}")
         _check("basis_beta", 0.0 <= basis_beta < 1.0, f"must be in [0, 1), got {basis_beta}")
         _check("eps", eps >= 0, f"must be >= 0, got {eps}")

@@ -30,11 +30,9 @@ import enum
 import functools
 from dataclasses import dataclass, field
 
+from spectrain_workloads.contract import INTERLEAVED, INTERLEAVED_CHUNKS, SCHEDULES
 from spectrain_workloads.errors import ConfigError
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
-INTERLEAVED = "Interleaved1F1B"
-INTERLEAVED_CHUNKS = 2   # model chunks (virtual stages) per rank; API.md has no field for it
 _STRUCT_TF, _STRUCT_TB = 1.0, 2.0
 # Interleaved1F1B idles at different positions for different tb/tf (GPipe and 1F1B do not): its slots
 # are where the simulation idles for any of these ratios (a slot can then predict 0 at the measured one).

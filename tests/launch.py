@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-_WORKLOADS = str(Path(__file__).resolve().parent.parent)
+_WORKLOADS = str(Path(__file__).resolve().parents[1] / "workloads")
 
 
 def free_port() -> int:

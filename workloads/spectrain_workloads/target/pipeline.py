@@ -49,8 +49,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from spectrain_workloads.instrument import Instrument
-from spectrain_workloads.schedule import Op, Schedule
+from spectrain_workloads.target.instrument import Instrument
+from spectrain_workloads.target.schedule import Op, Schedule
 
 
 def make_comm_hook(instrument: Instrument, channel: str = "dp-bucket-"

@@ -7,8 +7,8 @@ LOCAL_WORLD_SIZE > 1 and no LOCAL_RANK this process spawns one child per local r
 (RANK = base + i, LOCAL_RANK = i), forwards SIGTERM/SIGINT to them, stops the others when one
 fails, and exits with the first failure's code.
 
-Dispatch on spec.mode: Pretrain -> spectrain_workloads.trainer; RL -> spectrain_workloads.rl.run;
-AsyncPipeline -> spectrain_workloads.async_pipeline.run (imported lazily).
+Dispatch on spec.mode: Pretrain -> spectrain_workloads.target.trainer; RL -> spectrain_workloads.rl.grpo.run;
+AsyncPipeline -> spectrain_workloads.target.async_pipeline.run (imported lazily).
 
 Exit codes (spectrain_workloads.exitcodes): 0 success, 2 configuration error (a message naming
 the field, before any training), 143 after a SIGTERM (checkpoint saved), 1 / 86 other errors.
@@ -23,10 +23,9 @@ import sys
 import traceback
 from typing import Any
 
+from spectrain_workloads.contract import ASYNC_PIPELINE, EXIT_CONFIG, EXIT_OK, RL, require_valid
 from spectrain_workloads.errors import ConfigError
-from spectrain_workloads.exitcodes import EXIT_CONFIG, EXIT_OK, exit_code_for, returncode_to_exit
-
-MODES = ("Pretrain", "RL", "AsyncPipeline")
+from spectrain_workloads.exitcodes import exit_code_for, returncode_to_exit
 
 
 def _log(msg: str) -> None:
@@ -89,27 +88,25 @@ def _reap(by_pid: dict[int, subprocess.Popen[Any]], left: set[int], grace_s: flo
 
 def run_rank() -> int:
     from spectrain_workloads import config
-
-    cfg = config.load()
-    if cfg.mode not in MODES:
-        raise ConfigError(f"spec.mode {cfg.mode!r} is unknown; use one of {list(MODES)}")
-    if cfg.mode == "RL":
-        from spectrain_workloads import rl  # type: ignore[attr-defined,unused-ignore]
-
-        rl.run(cfg)
-        return EXIT_OK
-    if cfg.mode == "AsyncPipeline":
-        from spectrain_workloads import async_pipeline
-
-        async_pipeline.run(cfg)
-        return EXIT_OK
-    # SIGTERM goes to a sigwait thread (shutdown.py); block it before torch starts any thread.
     from spectrain_workloads.shutdown import block_sigterm
 
+    # SIGTERM goes to a sigwait thread (shutdown.py): block it before torch starts any thread.
     block_sigterm()
-    from spectrain_workloads.trainer import RankInfo, TrainerOptions, train
+    cfg = config.load()
+    require_valid(cfg)          # the rules `spectrain validate` applies, before any training
+    if cfg.mode == RL:
+        from spectrain_workloads.rl import grpo
 
-    train(cfg, TrainerOptions.from_env(), RankInfo.from_env())
+        grpo.run(cfg)
+    elif cfg.mode == ASYNC_PIPELINE:
+        from spectrain_workloads.target import async_pipeline
+
+        async_pipeline.run(cfg)
+    else:
+        from spectrain_workloads.runtime import RankInfo, TargetOptions
+        from spectrain_workloads.target.trainer import train
+
+        train(cfg, TargetOptions.from_env(), RankInfo.from_env())
     return EXIT_OK
 
 
@@ -120,10 +117,16 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(spawn_local_ranks(local_world))
         code = run_rank()
     except ConfigError as exc:
-        _log(f"configuration error: {exc}")
+        from spectrain_workloads.exitcodes import fatal_message, write_termination_message
+
+        _log(fatal_message(exc))
+        write_termination_message(fatal_message(exc))   # the job's Failed/ConfigError condition shows it
         sys.exit(EXIT_CONFIG)
     except Exception as exc:  # noqa: BLE001 - the exit code classifies it for the operator
+        from spectrain_workloads.exitcodes import fatal_message, write_termination_message
+
         traceback.print_exc()
+        write_termination_message(fatal_message(exc))
         sys.exit(exit_code_for(exc))
     sys.exit(code)
 

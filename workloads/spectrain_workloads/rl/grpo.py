@@ -18,14 +18,17 @@ pretrained policy, so rewards carry signal): SPECTRAIN_RL_WARMUP_STEPS steps (de
 through spec.target.env; skipped on resume). At the start of every RL step the rollout engine loads
 the newest drafter export ($SPECTRAIN_EXPORT_DIR/LATEST) if it moved; metrics record its version per
 step. SIGTERM: the checkpoint of the current step boundary is saved, then the rank exits (shutdown.py).
+SPECTRAIN_RL_PLAIN_EVERY=n (default 0: off): every n-th step also rolls out plainly from the same
+state, so the step's metrics carry the RL step speedup of speculation measured in this very run
+(sidebyside.py; training is unchanged by it).
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
 import os
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,10 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spectrain_workloads.contract import ENV_EXPORT_DIR
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import Transformer
-from spectrain_workloads.rollout import RolloutConfig, RolloutEngine, RolloutResult
-from spectrain_workloads.tasks import TOKENIZER, Example, Task, get_task
+from spectrain_workloads.rl.rollout import RolloutConfig, RolloutEngine, RolloutResult
+from spectrain_workloads.rl.sidebyside import plain_rerun
+from spectrain_workloads.rl.tasks import TOKENIZER, Example, Task, get_task
 
 ROLLOUT_TAIL = 4          # ring.WindowKind.ROLLOUT_TAIL (the ring is optional here)
 
@@ -55,6 +60,7 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     tail_fraction: float = 0.25    # RolloutTail opens when active batch < tail_fraction x batch, or empties
     train_micro_batch: int = 8     # rows per policy-update forward (length-sorted; gradients accumulated)
+    plain_every: int = 0           # every n-th step also rolls out plainly, for the speedup (sidebyside.py); 0: never
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -63,6 +69,8 @@ class GRPOConfig:
         for name in ("prompts_per_step", "ppo_epochs", "train_micro_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"GRPO {name} must be >= 1, got {getattr(self, name)}")
+        if self.plain_every < 0:
+            raise ConfigError(f"GRPO plain_every must be >= 0 (0: no plain reruns), got {self.plain_every}")
         if self.lr <= 0 or self.clip_eps <= 0 or self.kl_coef < 0 or not 0 <= self.tail_fraction <= 1:
             raise ConfigError("GRPO needs lr > 0, clip_eps > 0, kl_coef >= 0 and tail_fraction in [0, 1]")
 
@@ -83,6 +91,41 @@ class StepResult:
     spec_steps: int
     tail_s: float               # RolloutTail window length (0: none opened)
     published: int              # sequences published on the data channel
+    # On steps with a plain rerun (GRPOConfig.plain_every): the same rollout phase with plain decoding,
+    # i.e. rollout_s with the speculative decoding's seconds replaced by the plain rerun's.
+    plain_rollout_s: float | None = None
+    plain_tokens: int | None = None
+
+    @property
+    def rollout_tokens_per_s(self) -> float:
+        return self.tokens / self.rollout_s if self.rollout_s > 0 else 0.0
+
+    @property
+    def plain_rollout_tokens_per_s(self) -> float | None:
+        if self.plain_rollout_s is None or self.plain_tokens is None or self.plain_rollout_s <= 0:
+            return None
+        return self.plain_tokens / self.plain_rollout_s
+
+    @property
+    def rl_step_speedup(self) -> float | None:
+        """Plain step time / this step's time; the update is the same computation either way (same
+        number of rows, identically distributed lengths), so it counts with its measured time."""
+        if self.plain_rollout_s is None or self.step_s <= 0:
+            return None
+        return (self.plain_rollout_s + self.train_s) / self.step_s
+
+    def metrics(self) -> dict[str, Any]:
+        """The RL keys of the step's metrics line (docs/contracts.md); plain_* only on measured steps."""
+        out: dict[str, Any] = {
+            "reward": self.reward_mean, "kl": self.kl, "rollout_s": self.rollout_s, "train_s": self.train_s,
+            "rollout_tokens_per_s": self.rollout_tokens_per_s,
+            "acceptance_length": self.acceptance_length, "spec_steps": self.spec_steps,
+            "response_len_mean": self.response_len_mean, "response_len_max": self.response_len_max,
+            "rollout_tail_s": self.tail_s, "published": self.published}
+        if self.plain_rollout_s is not None:
+            out.update(plain_rollout_s=self.plain_rollout_s, plain_rollout_tokens_per_s=self.plain_rollout_tokens_per_s,
+                       rl_step_speedup=self.rl_step_speedup)
+        return out
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
@@ -186,15 +229,28 @@ class GRPOTrainer:
         return True
 
     # ---- one step
+    def measures_plain(self) -> bool:
+        """Whether this step also rolls out plainly: every plain_every-th step (counted from 1, as the
+        metrics lines are), and only when the rollout would speculate at all."""
+        every = self.cfg.plain_every
+        return (every > 0 and (self.step_idx + 1) % every == 0 and self.engine.drafter is not None
+                and self.engine.cfg.speculative)
+
     def rollout(self) -> tuple[list[Example], RolloutResult, dict[str, Any]]:
         g = self.cfg.group_size
         exs = [self.task.sample(self.rng) for _ in range(self.cfg.prompts_per_step)]
         prompts = [self.task.prompt_ids(e) for e in exs for _ in range(g)]
         B = len(prompts)
-        tail: dict[str, Any] = {"wid": None, "published": 0, "pending": []}
+        tail: dict[str, Any] = {"wid": None, "published": 0, "pending": [], "publish_s": 0.0}
         publish = self.producer is not None
+        if self.measures_plain():
+            # Before the speculative run, from the state it starts from (restored afterwards: sidebyside.py).
+            t_plain = time.perf_counter()
+            tail["plain"] = plain_rerun(self.engine, prompts, keep_hidden=publish or self.keep_hidden)
+            tail["plain_wall_s"] = time.perf_counter() - t_plain
 
         def send(ids: list[int], res: RolloutResult) -> None:
+            t_send = time.perf_counter()
             for i in ids:
                 h = res.hidden[i]
                 if h is None:
@@ -212,6 +268,7 @@ class GRPOTrainer:
                     pass
                 if not self.keep_hidden:
                     res.hidden[i] = None               # published: free it
+            tail["publish_s"] += time.perf_counter() - t_send
 
         def on_finish(ids: list[int], res: RolloutResult) -> None:
             if not publish:
@@ -229,7 +286,9 @@ class GRPOTrainer:
                 send(tail["pending"], eng.result)
                 tail["pending"] = []
 
+        t_gen = time.perf_counter()
         res = self.engine.generate(prompts, keep_hidden=publish or self.keep_hidden, on_step=on_step, on_finish=on_finish)
+        tail["generate_s"] = time.perf_counter() - t_gen
         if self.barrier is not None:
             self.barrier()                              # waiting for slower ranks is tail idle time too
         if tail["wid"] is not None:
@@ -248,12 +307,13 @@ class GRPOTrainer:
         self.policy.eval()
         exs, res, tail = self.rollout()
         t1 = time.perf_counter()
+        t0 += tail.get("plain_wall_s", 0.0)     # a plain rerun is a measurement, not part of the step it measures
         g, dev = self.cfg.group_size, self.policy.rope.device
         rewards = torch.tensor([self.task.reward(exs[i // g], r) for i, r in enumerate(res.responses)])
         adv = group_advantages(rewards, g).to(dev)
         temp = self.rcfg.temperature
         # Length-sorted micro-batches, each padded to its own longest row: with long-tailed responses
-        # one long row no longer pads every other row to its length. Same loss (token mean over all
+        # one long row does not pad every other row to its length. Same loss (token mean over all
         # response tokens), accumulated over micro-batches.
         order = sorted(range(len(res.sequences)), key=lambda i: len(res.sequences[i]))
         mb = self.cfg.train_micro_batch
@@ -293,11 +353,18 @@ class GRPOTrainer:
         t2 = time.perf_counter()
         self.last_rollout = (exs, res)
         lens = [len(r) for r in res.responses]
+        plain_s = plain_tokens = None
+        if "plain" in tail:
+            # The rollout phase as it would have been with plain decoding: the same prompts, publishing
+            # and barrier; only the decoding (generate minus the publishing inside its callbacks) swapped.
+            decode_s = tail["generate_s"] - tail["publish_s"]
+            plain_s, plain_tokens = (t1 - t0) - decode_s + tail["plain"].seconds, tail["plain"].tokens
         out = StepResult(step=self.step_idx, reward_mean=float(rewards.mean()), loss=float(loss.detach()), kl=float(kl),
                          rollout_s=t1 - t0, train_s=t2 - t1, step_s=t2 - t0, tokens=sum(lens),
                          response_len_mean=sum(lens) / len(lens), response_len_max=max(lens),
                          acceptance_length=res.stats.acceptance_length, spec_steps=res.stats.spec_steps,
-                         tail_s=tail.get("actual_ns", 0) / 1e9, published=tail["published"])
+                         tail_s=tail.get("actual_ns", 0) / 1e9, published=tail["published"],
+                         plain_rollout_s=plain_s, plain_tokens=plain_tokens)
         self.step_idx += 1
         return out
 
@@ -320,73 +387,16 @@ class GRPOTrainer:
         self._tail_pred_ns = int(state.get("tail_pred_ns", 0))
 
 
-class LMDistiller:
-    """In-process LM-drafter training on rollout outputs (soft targets = the policy head over the
-    rollout's own hidden states, no extra prefill). Stands in for the drafter sidecar in benchmarks
-    and tests; the RL job itself loads the sidecar's exports."""
-
-    def __init__(self, drafter: Transformer, *, lr: float = 2e-3) -> None:
-        self.drafter = drafter
-        self.opt = torch.optim.AdamW(drafter.parameters(), lr=lr)
-
-    @staticmethod
-    def collect(policy: Transformer, res: RolloutResult) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(tokens [T], target probs [T, V]) per row with kept hidden states."""
-        out = []
-        assert policy.output is not None
-        with torch.no_grad():
-            for seq, h in zip(res.sequences, res.hidden, strict=False):
-                if h is not None and h.size(0) > 0:
-                    out.append((torch.tensor(seq[: h.size(0)], device=h.device), torch.softmax(policy.output(h).float(), -1)))
-        return out
-
-    def train(self, data: list[tuple[torch.Tensor, torch.Tensor]], *, steps: int, batch: int = 16,
-              seed: int = 0) -> float:
-        rng = random.Random(seed)
-        self.drafter.train()
-        loss = torch.zeros(())
-        for _ in range(steps):
-            picks = [data[rng.randrange(len(data))] for _ in range(min(batch, len(data)))]
-            toks = pad_batch([p[0].tolist() for p in picks], picks[0][0].device)                    # [b, T]
-            probs = torch.zeros(*toks.shape, picks[0][1].size(-1), device=toks.device)
-            mask = torch.zeros(toks.shape, device=toks.device)
-            for i, (t, p) in enumerate(picks):
-                probs[i, : t.numel()], mask[i, : t.numel()] = p, 1.0
-            logp = torch.log_softmax(self.drafter(toks).float(), -1)                                  # [b, T, V]
-            loss = -((probs * logp).sum(-1) * mask).sum() / mask.sum()
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.opt.step()
-        self.drafter.eval()
-        return float(loss.detach())
-
-
 # ------------------------------------------------------------------------------------------ entry
 
 def run(cfg: Any) -> list[float]:
     """spec.mode RL on this rank (env per docs/contracts.md); returns the per-step mean rewards."""
-    from spectrain_workloads.checkpoint import CheckpointManager, save_shared
-    from spectrain_workloads.metrics import MetricsWriter
     from spectrain_workloads.model import model_config
-    from spectrain_workloads.shutdown import EXIT_TERMINATED, Terminator, block_sigterm
-    from spectrain_workloads.trainer import RankInfo, TrainerOptions, _device
+    from spectrain_workloads.runtime import Runtime
 
-    block_sigterm()          # SIGTERM: a sigwait thread (shutdown.py); saved at the next step boundary
-    t = cfg.target
-    if t.rl is None:
-        raise ConfigError("spec.target.rl is required when spec.mode is RL")
-    if t.parallelism.pipeline != 1:
-        raise ConfigError("spec.mode RL runs data-parallel only: set spec.target.parallelism.pipeline to 1")
-    opts, rank = TrainerOptions.from_env(), RankInfo.from_env()
-    device = _device(opts, rank)
-    if device.type == "cpu":
-        # The drafter sidecar shares these cores (SPECTRAIN_DRAFTER_THREADS, default 1): leave it its
-        # threads, since oversubscribed intra-op threads make every decode step many times slower.
-        spare = int(os.environ.get("SPECTRAIN_DRAFTER_THREADS") or 1) if opts.drafter_enabled else 0
-        torch.set_num_threads(opts.torch_threads or max(1, ((os.cpu_count() or 1) - spare) // max(1, rank.local_world)))
-    opts.run_dir.mkdir(parents=True, exist_ok=True)
-    if rank.rank == 0:
-        TOKENIZER.save(opts.run_dir)
+    rt = Runtime.start(cfg, leave_drafter_threads=True)
+    opts, rank, device, t = rt.opts, rt.rank, rt.device, cfg.target
+    assert t.rl is not None                 # check_spec: mode RL has spec.target.rl
     mcfg = model_config(t.model.preset, t.model.overrides, vocab_size=TOKENIZER.vocab_size)
     policy = Transformer(mcfg)
     policy.init_weights(cfg.seed)
@@ -395,13 +405,11 @@ def run(cfg: Any) -> list[float]:
     task = get_task(rl.task, max_len=max(2, min(48, rl.max_new_tokens - 1)))
     rcfg = RolloutConfig.from_rl(rl, seed=cfg.seed + rank.rank)
     gcfg = GRPOConfig(group_size=rl.group_size, prompts_per_step=t.data.batch_size, lr=t.optimizer.lr,
-                      seed=cfg.seed + rank.rank)
+                      plain_every=int(os.environ.get("SPECTRAIN_RL_PLAIN_EVERY", "0")), seed=cfg.seed + rank.rank)
 
     import torch.distributed as dist
     barrier = grad_sync = None
     if rank.world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank.rank,
-                                world_size=rank.world, timeout=datetime.timedelta(minutes=10))
         barrier = dist.barrier
 
         def grad_sync(m: nn.Module) -> None:
@@ -410,29 +418,19 @@ def run(cfg: Any) -> list[float]:
                     dist.all_reduce(p.grad)
                     p.grad.div_(rank.world)
 
-    producer = None
-    if opts.drafter_enabled and opts.ring_dir is not None:
-        from spectrain_workloads.ring import RingLayout, RingProducer, ring_path
-
-        mib = 1 << 20
-        need = mcfg.max_seq_len * (mcfg.dim * 4 + 8) + 64 * 1024
-        slot = max(mib, -(-need // mib) * mib)
-        producer = RingProducer.create(ring_path(opts.ring_dir, rank.local_rank), rank=rank.rank,
-                                       layout=RingLayout(data_slots=max(4, min(64, (192 * mib) // slot)), data_slot_bytes=slot))
-    export_dir = Path(os.environ.get("SPECTRAIN_EXPORT_DIR") or opts.run_dir / cfg.drafter.export.path)
-    metrics = MetricsWriter(opts.run_dir, rank.rank, local_rank=rank.local_rank, port=opts.metrics_port,
-                            progress=rank.rank == 0, total_steps=t.steps)
+    producer = rt.ring_producer(hidden_dim=mcfg.dim, seq_len=mcfg.max_seq_len, publishes=True)
+    export_dir = Path(os.environ.get(ENV_EXPORT_DIR) or opts.run_dir / cfg.drafter.export.path)
+    metrics, ckpt = rt.metrics, rt.ckpt
     trainer = GRPOTrainer(policy, task, gcfg, rcfg, producer=producer, on_window=metrics.window_closed,
                           barrier=barrier, grad_sync=grad_sync)
-    ckpt = CheckpointManager(opts.run_dir, rank.rank, t.checkpoint.keep)
     latest = ckpt.latest()
     if latest is not None:
         trainer.load_state_dict(ckpt.load(latest))
     else:
         if rank.rank == 0:   # the drafter can set up and calibrate during the warm-up (it refreshes these later)
             assert policy.tok_embeddings is not None and policy.output is not None
-            save_shared(opts.run_dir, embedding=policy.tok_embeddings.weight, lm_head=policy.output.weight,
-                        model_config=mcfg.to_dict())
+            rt.save_shared(embedding=policy.tok_embeddings.weight, lm_head=policy.output.weight,
+                           model_config=mcfg.to_dict())
         sft_warmup(policy, task, steps=int(os.environ.get("SPECTRAIN_RL_WARMUP_STEPS", "200")), seed=cfg.seed)
         if rank.world > 1:   # identical start on every rank
             for p in policy.parameters():
@@ -442,22 +440,17 @@ def run(cfg: Any) -> list[float]:
         ckpt.save(step, trainer.state_dict())
         if rank.rank == 0:
             assert policy.tok_embeddings is not None and policy.output is not None
-            save_shared(opts.run_dir, embedding=policy.tok_embeddings.weight, lm_head=policy.output.weight,
-                        model_config=mcfg.to_dict())
+            rt.save_shared(embedding=policy.tok_embeddings.weight, lm_head=policy.output.weight,
+                           model_config=mcfg.to_dict())
 
     if latest is None:
         save(0)          # the drafter's Eagle head needs the shared embedding / head from the start
-    term = Terminator(opts.term_grace_s, lambda: save(trainer.step_idx))
+    term = rt.terminator(lambda: save(trainer.step_idx))
     rewards: list[float] = []
     try:
         while trainer.step_idx < t.steps:
             if term.requested.is_set():
-                with term.state_lock:
-                    save(trainer.step_idx)
-                    term.done.set()
-                print(f"[spectrain-target] SIGTERM: saved RL step {trainer.step_idx}; exiting", flush=True)
-                metrics.close()
-                os._exit(EXIT_TERMINATED)
+                rt.exit_terminated(term, save, trainer.step_idx)
             if opts.drafter_enabled and rl.speculative.enabled:
                 try:
                     if trainer.reload_drafter(export_dir):
@@ -469,22 +462,16 @@ def run(cfg: Any) -> list[float]:
                 r = trainer.step()
             rewards.append(r.reward_mean)
             metrics.step(step=trainer.step_idx, loss=r.loss, step_time_s=r.step_s, tokens=r.tokens,
-                         extra={"reward": r.reward_mean, "kl": r.kl, "rollout_s": r.rollout_s, "train_s": r.train_s,
-                                "acceptance_length": r.acceptance_length, "spec_steps": r.spec_steps,
-                                "response_len_mean": r.response_len_mean, "response_len_max": r.response_len_max,
-                                "rollout_tail_s": r.tail_s, "published": r.published,
-                                "drafter_version": trainer.drafter_version})
+                         extra={**r.metrics(), "drafter_version": trainer.drafter_version})
             if trainer.step_idx % t.checkpoint.every_steps == 0 or trainer.step_idx == t.steps:
                 with term.state_lock:
                     save(trainer.step_idx)
     finally:
-        metrics.close()
         if producer is not None:
             producer.close()
-        if rank.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        rt.close(barrier=sys.exc_info()[0] is None)    # after an error a peer may never arrive
     return rewards
 
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "LMDistiller", "StepResult", "group_advantages", "grpo_loss",
+__all__ = ["GRPOConfig", "GRPOTrainer", "StepResult", "group_advantages", "grpo_loss",
            "pad_batch", "response_logprobs", "run", "sft_warmup"]

@@ -19,13 +19,9 @@ Shapes: B batch, T seq_len, H model dim, V vocab.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +35,7 @@ from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import ModelConfig, Transformer, model_config
 from spectrain_workloads.optim import build_optimizer
+from spectrain_workloads.runtime import Runtime
 from spectrain_workloads.tokenizer import ByteTokenizer
 
 Weights = dict[str, torch.Tensor]
@@ -260,176 +257,76 @@ class StageRunner:
         return {**out, **self.stash} if self.d else {}
 
 
-# ---- checkpoints, metrics -------------------------------------------------------------------
+# ---- entry point ----------------------------------------------------------------------------
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
+def run(cfg: JobConfig, *, max_staleness: int | None = None) -> dict[str, Any]:
+    """Train this rank's stage (env: docs/contracts.md). Resumes from the newest checkpoint step
+    every rank holds; SIGTERM saves at the next step boundary. Returns a small summary."""
+    rt = Runtime.start(cfg)
+    rank, device, P, k = rt.rank.rank, rt.device, rt.rank.world, rt.rank.rank
+    mcfg = model_config(cfg.target.model.preset, cfg.target.model.overrides, vocab_size=ByteTokenizer.vocab_size)
+    data, steps, ck = cfg.target.data, cfg.target.steps, cfg.target.checkpoint
+    module = Transformer.stage(mcfg, k, P).to(device)
+    module.init_weights(cfg.seed)
+    opt = build_optimizer(module, cfg.target.optimizer, stage=k, n_stages=P)
+    corpus = load_corpus(data.source, max_bytes=rt.opts.data_max_bytes)
+    loader = TokenLoader(corpus, LoaderSpec(seq_len=data.seq_len, batch_size=data.batch_size, seed=cfg.seed))
+    runner = StageRunner(
+        module=module, opt=opt, stage=k, n_stages=P, delay=delays(P, max_staleness)[k], batch=loader.batch,
+        total_steps=steps, device=device, hidden_shape=(data.batch_size, data.seq_len, mcfg.dim))
+    start = _resume(rt, runner)
+    producer = rt.ring_producer(hidden_dim=mcfg.dim, seq_len=data.seq_len, publishes=runner.last)
+    if producer is not None and runner.last:
+        runner.on_hidden = _publisher(producer, k)
+
+    def save(step: int) -> None:
+        rt.ckpt.save(step, {"step": step, "stage": k, "n_stages": P, "model": module.state_dict(),
+                            "optimizer": opt.state_dict(), "versions": runner.versions()})
+        rt.save_shared(embedding=module.tok_embeddings.weight if runner.first and module.tok_embeddings is not None else None,
+                       lm_head=module.output.weight if runner.last and module.output is not None else None,
+                       model_config=mcfg.to_dict() if runner.last else None)
+
+    term = rt.terminator(lambda: None)     # a step in flight spans several versions: save only at boundaries
+    last = {"t": time.perf_counter(), "loss": float("nan")}
+
+    def after_step(step: int, loss: float) -> None:
+        now = time.perf_counter()
+        dt, last["t"], last["loss"] = now - last["t"], now, loss
+        rt.metrics.step(step=step, loss=loss, step_time_s=dt, tokens=data.batch_size * data.seq_len,
+                        extra={"stage": k, "staleness": runner.d}, final=step == steps)
+        if step % ck.every_steps == 0 or step == steps:
+            save(step)
+        if term.requested.is_set():
+            rt.exit_terminated(term, save, step)
+
+    runner.train(start, steps, after_step)
+    if producer is not None:
+        producer.close()
+    rt.close()
+    return {"rank": rank, "stage": k, "start_step": start, "steps": steps, "loss": last["loss"]}
 
 
-def save_checkpoint(rank_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """rank_dir/step-<N>/state.pt, written to a temp dir and renamed; keeps the newest `keep`."""
-    final = rank_dir / f"step-{step}"
-    tmp = rank_dir / f".step-{step}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save(state, tmp / "state.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    for old in sorted(_checkpoint_steps(rank_dir))[:-keep]:
-        shutil.rmtree(rank_dir / f"step-{old}", ignore_errors=True)
-    return final
+def _resume(rt: Runtime, runner: StageRunner) -> int:
+    """Load the newest checkpoint step that every rank holds; 0 when there is none."""
+    start = rt.resume_step()
+    if start == 0:
+        return 0
+    state = rt.ckpt.load(start)
+    if state["n_stages"] != runner.P:
+        raise ConfigError(f"{rt.ckpt.path(start)}: the checkpoint has {state['n_stages']} pipeline stages, the job "
+                          f"{runner.P}; use a new run directory or the old spec.target.parallelism.pipeline")
+    runner.m.load_state_dict(state["model"])
+    runner.opt.load_state_dict(state["optimizer"])
+    runner.stash = {t: {n: w.to(rt.device) for n, w in ws.items()} for t, ws in state["versions"].items()}
+    return start
 
 
-def _checkpoint_steps(rank_dir: Path) -> list[int]:
-    if not rank_dir.is_dir():
-        return []
-    return [int(p.name[5:]) for p in rank_dir.glob("step-*") if p.name[5:].isdigit() and (p / "state.pt").is_file()]
-
-
-def _write_shared(run_dir: Path, runner: StageRunner, mcfg: ModelConfig) -> None:
-    """Stage 0's embedding / the last stage's LM head for the Eagle drafter (contracts.md)."""
-    from safetensors.torch import save_file
-
-    shared = run_dir / "target" / "shared"
-    if runner.first and runner.m.tok_embeddings is not None:
-        w = runner.m.tok_embeddings.weight.detach().cpu().contiguous()
-        _atomic_write(shared / "embedding.safetensors", lambda p: save_file({"weight": w}, str(p)))
-    if runner.last and runner.m.output is not None:
-        w = runner.m.output.weight.detach().cpu().contiguous()
-        _atomic_write(shared / "lm_head.safetensors", lambda p: save_file({"weight": w}, str(p)))
-        _atomic_write(shared / "model_config.json", lambda p: p.write_text(json.dumps(mcfg.to_dict())))
-
-
-def _report_progress(run_dir: Path, progress: dict[str, Any]) -> None:
-    try:
-        from spectrain_workloads.podstatus import report_progress  # type: ignore[import-not-found]
-    except ImportError:
-        _atomic_write(run_dir / "progress.json", lambda p: p.write_text(json.dumps(progress)))
-        return
-    report_progress(progress)
-
-
-def _ring_publisher(rank: int, stage: int) -> tuple[Callable[[int, torch.Tensor, torch.Tensor], None] | None, Any]:
-    """Optional drafter data channel on the last stage: one sequence per step (hidden [T, H], tokens [T])."""
-    ring_dir = os.environ.get("SPECTRAIN_RING_DIR")
-    if not ring_dir or os.environ.get("SPECTRAIN_DRAFTER_ENABLED", "1") != "1":
-        return None, None
-    try:
-        from spectrain_workloads.ring import RingLayout, RingProducer  # type: ignore[attr-defined]
-    except ImportError:
-        return None, None
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    producer = RingProducer.create(Path(ring_dir) / f"ring-{local}", layout=RingLayout(), rank=rank)
+def _publisher(producer: Any, stage: int) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+    """The last stage's data channel: one sequence per step (hidden [T, H], tokens [T])."""
 
     def publish(step: int, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
         meta = {"step": step, "dtype": str(hidden.dtype).removeprefix("torch."), "stage": stage, "seq_index": 0}
         producer.publish_data(meta, {"hidden": hidden.float().cpu().numpy(), "tokens": tokens.cpu().numpy()})
 
-    return publish, producer
-
-
-# ---- entry point ----------------------------------------------------------------------------
-
-
-def _validate(cfg: JobConfig) -> None:
-    par = cfg.target.parallelism
-    if par.data != 1:
-        raise ConfigError(f"spec.target.parallelism.data is {par.data}; AsyncPipeline runs one replica (set it to 1)")
-    if cfg.world_size != par.pipeline:
-        raise ConfigError(f"nodes*procsPerNode ({cfg.world_size}) must equal parallelism.pipeline ({par.pipeline})")
-
-
-def _device() -> torch.device:
-    want = os.environ.get("SPECTRAIN_DEVICE", "auto")
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def run(cfg: JobConfig, *, max_staleness: int | None = None) -> dict[str, Any]:
-    """Train this rank's stage (env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, SPECTRAIN_RUN_DIR).
-
-    Resumes from the newest checkpoint step every rank holds. Returns a small summary.
-    """
-    _validate(cfg)
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    run_dir = Path(os.environ.get("SPECTRAIN_RUN_DIR", "runs/local"))
-    device = _device()
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
-    P, k = world, rank
-    tok = ByteTokenizer()
-    mcfg = model_config(cfg.target.model.preset, cfg.target.model.overrides, vocab_size=tok.vocab_size)
-    data = cfg.target.data
-    if data.seq_len > mcfg.max_seq_len:
-        raise ConfigError(f"spec.target.data.seqLen ({data.seq_len}) exceeds the model's max_seq_len ({mcfg.max_seq_len})")
-    module = Transformer.stage(mcfg, k, P).to(device)
-    module.init_weights(cfg.seed)
-    opt = build_optimizer(module, cfg.target.optimizer, stage=k, n_stages=P)
-    corpus = load_corpus(data.source, max_bytes=int(os.environ.get("SPECTRAIN_DATA_MAX_BYTES", 8 << 20)))
-    loader = TokenLoader(corpus, LoaderSpec(seq_len=data.seq_len, batch_size=data.batch_size, seed=cfg.seed))
-    steps = cfg.target.steps
-    runner = StageRunner(
-        module=module, opt=opt, stage=k, n_stages=P, delay=delays(P, max_staleness)[k],
-        batch=loader.batch,
-        total_steps=steps, device=device, hidden_shape=(data.batch_size, data.seq_len, mcfg.dim))
-    rank_dir = run_dir / "target" / f"rank-{rank}"
-    start = _resume(runner, rank_dir, P, device)
-    if rank == 0:
-        tok.save(run_dir)
-    publisher, producer = _ring_publisher(rank, k) if runner.last else (None, None)
-    runner.on_hidden = publisher
-    metrics_path = run_dir / "metrics" / f"target-rank-{rank}.jsonl"
-    metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    ck = cfg.target.checkpoint
-    last = {"t": time.perf_counter(), "loss": float("nan")}
-
-    with metrics_path.open("a") as metrics:
-        def after_step(step: int, loss: float) -> None:
-            now = time.perf_counter()
-            dt, last["t"], last["loss"] = now - last["t"], now, loss
-            tps = data.batch_size * data.seq_len / max(dt, 1e-9)
-            metrics.write(json.dumps({"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tps,
-                                      "idle_s_by_kind": {}, "stage": k, "staleness": runner.d}) + "\n")
-            metrics.flush()
-            if step % ck.every_steps == 0 or step == steps:
-                save_checkpoint(rank_dir, step, {
-                    "step": step, "stage": k, "n_stages": P, "model": module.state_dict(),
-                    "optimizer": opt.state_dict(), "versions": runner.versions()}, ck.keep)
-                _write_shared(run_dir, runner, mcfg)
-            if rank == 0:
-                _report_progress(run_dir, {"step": step, "totalSteps": steps, "loss": loss,
-                                           "tokensPerSecond": tps, "updatedAt": time.time()})
-
-        runner.train(start, steps, after_step)
-    if producer is not None:
-        producer.close()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return {"rank": rank, "stage": k, "start_step": start, "steps": steps, "loss": last["loss"]}
-
-
-def _resume(runner: StageRunner, rank_dir: Path, n_stages: int, device: torch.device) -> int:
-    """Load the newest checkpoint step that every rank holds; 0 when there is none."""
-    mine = max(_checkpoint_steps(rank_dir), default=0)
-    step = torch.tensor([mine])
-    if dist.is_initialized():
-        dist.all_reduce(step, op=dist.ReduceOp.MIN)
-    start = int(step)
-    if start == 0:
-        return 0
-    if start not in _checkpoint_steps(rank_dir):
-        raise ConfigError(f"{rank_dir}: no checkpoint step-{start} although every rank reached it; "
-                          "raise checkpoint.keep or checkpoint.everySteps so ranks keep a common step")
-    state = torch.load(rank_dir / f"step-{start}" / "state.pt", map_location=device, weights_only=True)
-    if state["n_stages"] != n_stages:
-        raise ConfigError(f"{rank_dir}: checkpoint has {state['n_stages']} stages, the job {n_stages}")
-    runner.m.load_state_dict(state["model"])
-    runner.opt.load_state_dict(state["optimizer"])
-    runner.stash = state["versions"]
-    return start
+    return publish

@@ -10,10 +10,9 @@ the watch's lock, so a `disarm()` that returns has either prevented it or seen i
 - `AlarmWatch` (used when it can be: on the main thread of a process whose SIGALRM is free): the
   deadline is an interval timer (setitimer, ITIMER_REAL). Arming and disarming are one syscall each
   on the caller's thread and wake no thread at all; only when the deadline passes does the signal's
-  C-level handler write to a wakeup fd and a thread blocked on it opens the window. On 2 busy
-  cores that can matter: one ablation measured a thread woken at every sync point at about 1.5 %
-  of a 40 ms debug step, a later one could not resolve it (docs/benchmarks.md, target). SIGALRM is blocked in the other threads that exist when it is set
-  up (the trainer calls `block_alarm_in_new_threads` before creating any, gloo's and its own, and
+  C-level handler write to a wakeup fd and a thread blocked on it opens the window: a thread woken
+  at every sync point competes with training for the cores (docs/benchmarks.md, target). SIGALRM
+  is blocked in the other threads that exist when it is set up (the trainer calls `block_alarm_in_new_threads` before creating any, gloo's and its own, and
   `unblock_alarm` after), so only the main thread is interrupted, and its blocking calls restart
   (C++ waits) or are retried (Python, PEP 475). Without that, AlarmWatch still works; the signal
   then lands on any thread that does not block it.

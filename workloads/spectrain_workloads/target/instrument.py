@@ -66,8 +66,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spectrain_workloads.imbalance_watch import Watch, make_watch
-from spectrain_workloads.window_predictors import (
+from spectrain_workloads.contract import WINDOW_KINDS
+from spectrain_workloads.target.imbalance_watch import Watch, make_watch
+from spectrain_workloads.target.window_predictors import (
     LinearFit,
     lagged_prediction_ns,
     min_relative_error_center,
@@ -75,7 +76,7 @@ from spectrain_workloads.window_predictors import (
     prefer_second,
 )
 
-BUBBLE, COMMUNICATION, IMBALANCE = "Bubble", "Communication", "Imbalance"
+BUBBLE, COMMUNICATION, IMBALANCE, _ = WINDOW_KINDS
 _RING_KIND = {BUBBLE: 1, COMMUNICATION: 2, IMBALANCE: 3}   # spectrain_workloads.ring.WindowKind values
 
 

@@ -29,12 +29,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from spectrain_workloads.contract import DRAFT_STRATEGIES
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import KVCache, Transformer, causal_decode_mask
-from spectrain_workloads.specdec import AcceptRule, Sampling, pick, rejection_rule, speculative_step, to_probs
+from spectrain_workloads.rl.specdec import (
+    AcceptRule,
+    Sampling,
+    pick,
+    rejection_rule,
+    speculative_step,
+    to_probs,
+)
 from spectrain_workloads.tokenizer import ByteTokenizer
-
-STRATEGIES = ("Bandit", "Fixed")
 
 
 @dataclass(kw_only=True)
@@ -57,8 +63,8 @@ class RolloutConfig:
             raise ConfigError(f"rl.speculative.maxDraftTokens must be in 1..32, got {self.max_draft_tokens}")
         if self.batch_threshold < 0:
             raise ConfigError(f"rl.speculative.batchThreshold must be >= 0, got {self.batch_threshold}")
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"rl.speculative.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.strategy not in DRAFT_STRATEGIES:
+            raise ConfigError(f"rl.speculative.strategy must be one of {DRAFT_STRATEGIES}, got {self.strategy!r}")
         Sampling(temperature=self.temperature, top_p=self.top_p)   # validates both
 
     @property
@@ -128,21 +134,27 @@ def as_drafter(drafter: nn.Module | DraftAdapter, arch: str | None = None) -> Dr
 class _Window:
     """The last n samples of one timing; its median is robust to the spikes of a shared machine."""
 
-    __slots__ = ("xs", "n")
+    __slots__ = ("xs", "n", "_median")
 
     def __init__(self, n: int) -> None:
         self.xs: list[float] = []
         self.n = n
+        self._median: float | None = None
 
     def add(self, x: float) -> None:
         self.xs.append(x)
         if len(self.xs) > self.n:
             del self.xs[0]
+        self._median = None
 
     def median(self) -> float:
-        s = sorted(self.xs)
-        m = len(s) // 2
-        return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
+        # Cached: the controller prices every arm from these on every decode step, and sorting them
+        # each time cost a few percent of a small model's CPU decode step.
+        if self._median is None:
+            s = sorted(self.xs)
+            m = len(s) // 2
+            self._median = s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
+        return self._median
 
 
 class DraftController:

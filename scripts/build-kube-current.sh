@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# Build a current Kubernetes control plane from the Go module proxy and cache it:
+# kube-apiserver, kube-controller-manager, kube-scheduler (k8s.io/kubernetes), etcd
+# (go.etcd.io/etcd/server/v3, the version that Kubernetes release requires) and kwok
+# (sigs.k8s.io/kwok, fake nodes and pod lifecycles). Idempotent: exits at once when the binaries
+# of the pinned versions are cached.
+#
+# The versions live in the build modules, nowhere else:
+#   scripts/kube/go.mod       k8s.io/kubernetes (each staging module replaced by its published
+#                             v0.Y.Z) and go.etcd.io/etcd/server/v3; go.sum committed
+#   scripts/kube/kwok/go.mod  sigs.k8s.io/kwok, in its own module: kwok is built with the k8s.io
+#                             library versions of its own release
+# Binaries land in $KUBE_CURRENT_CACHE/kube-<kubernetes version>/bin (default
+# ~/.cache/spectrain/kube-vX.Y.Z/bin) with a stamp naming the versions and the build modules'
+# checksum: a change to either module rebuilds. The Go module and build caches are Go's own
+# (go env GOMODCACHE / GOCACHE).
+#
+#   scripts/build-kube-current.sh                 build (or report the cached binaries)
+#   scripts/build-kube-current.sh --print-bin     print the bin directory and exit (tests use it)
+#   scripts/build-kube-current.sh --regen vX.Y.Z  rewrite scripts/kube/go.mod for another
+#                                                 k8s.io/kubernetes release, go mod tidy, then build
+#
+# Needs Go >= the `go` line of scripts/kube/go.mod (1.26) on PATH or in /usr/local/go/bin.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+MOD="$ROOT/scripts/kube"
+KWOK_MOD="$MOD/kwok"
+CACHE="${KUBE_CURRENT_CACHE:-$HOME/.cache/spectrain}"
+# Bump when the way the binaries are built changes (flags, ldflags): cached binaries are rebuilt.
+BUILD_LEVEL=1
+
+log() { printf '[build-kube-current] %s\n' "$*" >&2; }
+die() { printf '[build-kube-current] ERROR: %s\n' "$*" >&2; exit 1; }
+
+modver() {  # modver FILE MODULE -> the version FILE requires of MODULE
+  awk -v m="$2" '$1 == "require" && $2 == m && $3 ~ /^v/ { print $3; exit }
+                  $1 == m && $2 ~ /^v/ { print $2; exit }' "$1"
+}
+
+mode=build
+case "${1:-}" in
+  "") ;;
+  --print-bin) mode=print ;;
+  --regen) mode=regen; REGEN_VERSION="${2:-}"; [[ "$REGEN_VERSION" =~ ^v1\.[0-9]+\.[0-9]+$ ]] \
+             || die "--regen needs a release version like v1.37.2" ;;
+  -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+  *) die "unknown argument $1 (see --help)" ;;
+esac
+
+KUBE_VERSION=$(modver "$MOD/go.mod" k8s.io/kubernetes)
+[[ -n "$KUBE_VERSION" ]] || die "no k8s.io/kubernetes requirement in $MOD/go.mod"
+if [[ $mode == print ]]; then
+  echo "$CACHE/kube-$KUBE_VERSION/bin"
+  exit 0
+fi
+
+# --- Go -----------------------------------------------------------------------------------------
+# (build-kube.sh installs Debian's Go 1.19 under /usr/lib/go: never take that one.)
+GO=$(command -v go || true)
+need=$(awk '$1 == "go" { print $2; exit }' "$MOD/go.mod")
+go_ok() { [[ -x "$1" ]] && [[ "$(printf '%s\n%s\n' "$need" "$("$1" env GOVERSION | sed 's/^go//')" | sort -V | head -n1)" == "$need" ]]; }
+if [[ -z "$GO" ]] || ! go_ok "$GO"; then
+  if go_ok /usr/local/go/bin/go; then GO=/usr/local/go/bin/go
+  else die "Go >= $need not found (have: ${GO:-none}${GO:+ $("$GO" env GOVERSION)}); install Go $need or newer"
+  fi
+fi
+export GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false"
+
+proxy_error() {
+  die "$1 failed: the Go module proxy ($("$GO" env GOPROXY)) could not be reached or refused a module;
+  see the go output above. The modules are fetched once into $("$GO" env GOMODCACHE); later builds need no network."
+}
+
+# --- --regen: point the build module at another release ---------------------------------------
+if [[ $mode == regen ]]; then
+  log "fetching k8s.io/kubernetes@$REGEN_VERSION"
+  json=$(cd "$MOD" && "$GO" mod download -json "k8s.io/kubernetes@$REGEN_VERSION") || proxy_error "go mod download k8s.io/kubernetes@$REGEN_VERSION"
+  kdir=$(printf '%s' "$json" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+  [[ -f "$kdir/go.mod" ]] || die "no go.mod in $kdir"
+  staging_version="v0.${REGEN_VERSION#v1.}"
+  tmp="$MOD/go.mod.tmp"
+  {
+    sed -n '1,/^module /p' "$MOD/go.mod"
+    printf '\ngo %s\n\n' "$(awk '$1 == "go" { print $2; exit }' "$kdir/go.mod")"
+    printf 'tool (\n\tgo.etcd.io/etcd/server/v3\n\tk8s.io/kubernetes/cmd/kube-apiserver\n'
+    printf '\tk8s.io/kubernetes/cmd/kube-controller-manager\n\tk8s.io/kubernetes/cmd/kube-scheduler\n)\n\n'
+    printf 'require k8s.io/kubernetes %s\n\nreplace (\n' "$REGEN_VERSION"
+    grep -oE '^[[:space:]]+k8s\.io/[a-z0-9-]+ => \./staging' "$kdir/go.mod" \
+      | awk -v v="$staging_version" '{ print "\t" $1 " => " $1 " " v }'
+    printf ')\n'
+  } > "$tmp"
+  mv -f "$tmp" "$MOD/go.mod"
+  rm -f "$MOD/go.sum"
+  (cd "$MOD" && GOFLAGS=-mod=mod "$GO" mod tidy) || proxy_error "go mod tidy in $MOD"
+  KUBE_VERSION=$REGEN_VERSION
+  log "scripts/kube/go.mod now builds $KUBE_VERSION (etcd $(modver "$MOD/go.mod" go.etcd.io/etcd/server/v3)); commit go.mod and go.sum"
+fi
+
+ETCD_VERSION=$(modver "$MOD/go.mod" go.etcd.io/etcd/server/v3)
+KWOK_VERSION=$(modver "$KWOK_MOD/go.mod" sigs.k8s.io/kwok)
+[[ -n "$ETCD_VERSION" && -n "$KWOK_VERSION" ]] || die "etcd or kwok version missing from the build modules"
+BIN="$CACHE/kube-$KUBE_VERSION/bin"
+TARGETS=(kube-apiserver kube-controller-manager kube-scheduler etcd kwok)
+sum=$(cat "$MOD/go.mod" "$MOD/go.sum" "$KWOK_MOD/go.mod" "$KWOK_MOD/go.sum" | sha256sum | cut -c1-16)
+STAMP="kubernetes=$KUBE_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION modules=$sum level=$BUILD_LEVEL"
+
+have_all() {
+  local t
+  for t in "${TARGETS[@]}"; do [[ -x "$BIN/$t" ]] || return 1; done
+  [[ "$(cat "$BIN/.stamp" 2>/dev/null)" == "$STAMP" ]]
+}
+
+# kwok's stages (what its fake kubelets do to nodes and pods), from its release: nodes become
+# Ready and keep heartbeating; pods are marked Running (native sidecars running, plain init
+# containers completed) and, once deleted, removed; pods owned by a Job complete.
+STAGES=(node/fast/node-initialize.yaml node/heartbeat/node-heartbeat.yaml
+        pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml)
+write_stages() {
+  local dir f
+  dir=$(cd "$KWOK_MOD" && "$GO" list -m -f '{{.Dir}}' sigs.k8s.io/kwok) || proxy_error "go list -m sigs.k8s.io/kwok"
+  {
+    echo "# kwok $KWOK_VERSION stages (scripts/build-kube-current.sh): ${STAGES[*]}"
+    for f in "${STAGES[@]}"; do
+      [[ -f "$dir/kustomize/stage/$f" ]] || die "kwok $KWOK_VERSION has no kustomize/stage/$f"
+      echo "---"; cat "$dir/kustomize/stage/$f"
+    done
+  } > "$BIN/kwok-stages.yaml.tmp" && mv -f "$BIN/kwok-stages.yaml.tmp" "$BIN/kwok-stages.yaml"
+}
+
+if have_all; then
+  if [[ ! -s "$BIN/kwok-stages.yaml" ]]; then
+    (cd "$KWOK_MOD" && "$GO" mod download) || proxy_error "go mod download in scripts/kube/kwok"
+    write_stages
+  fi
+  log "cached: $BIN ($STAMP; delete $BIN/.stamp to rebuild)"
+  exit 0
+fi
+
+t0=$(date +%s)
+log "building $STAMP with $("$GO" env GOVERSION) into $BIN"
+
+# --- 1. modules (the only network step) ---------------------------------------------------------
+(cd "$MOD" && "$GO" mod download) || proxy_error "go mod download in scripts/kube"
+(cd "$KWOK_MOD" && "$GO" mod download) || proxy_error "go mod download in scripts/kube/kwok"
+
+# --- 2. build -------------------------------------------------------------------------------------
+minor=${KUBE_VERSION#v1.}; minor=${minor%%.*}
+LDFLAGS="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  # what hack/lib/version.sh stamps: `--version` and /version report the release, and the
+  # binary version (feature gates, emulation) is the release's
+  LDFLAGS+=" -X $pkg.gitVersion=$KUBE_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+done
+OUT="$BIN/.build.$$"
+rm -rf "$OUT"; mkdir -p "$OUT"
+trap 'rm -rf "$OUT"' EXIT
+log "go build kube-apiserver kube-controller-manager kube-scheduler etcd (about 13 min cold on 2 cores, 30 s with a warm Go build cache)"
+(cd "$MOD" && CGO_ENABLED=0 "$GO" build -trimpath -ldflags "$LDFLAGS" -o "$OUT/" \
+   k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+   k8s.io/kubernetes/cmd/kube-scheduler go.etcd.io/etcd/server/v3) || die "go build in scripts/kube failed (see above)"
+# go names the etcd server module's main package (go.etcd.io/etcd/server/v3) "server"
+mv -f "$OUT/server" "$OUT/etcd"
+log "go build kwok"
+(cd "$KWOK_MOD" && CGO_ENABLED=0 "$GO" build -trimpath -ldflags "-s -w" -o "$OUT/kwok" sigs.k8s.io/kwok/cmd/kwok) \
+  || die "go build in scripts/kube/kwok failed (see above)"
+
+# --- 3. check and install atomically ------------------------------------------------------------
+got=$("$OUT/kube-apiserver" --version) || die "the built kube-apiserver does not run"
+[[ "$got" == "Kubernetes $KUBE_VERSION" ]] || die "kube-apiserver --version says '$got', expected 'Kubernetes $KUBE_VERSION'"
+etcd_says=$("$OUT/etcd" --version) || die "the built etcd does not run"
+[[ "$etcd_says" == *"etcd Version: ${ETCD_VERSION#v}"* ]] || die "etcd --version says '$etcd_says', expected ${ETCD_VERSION#v}"
+for t in "${TARGETS[@]}"; do mv -f "$OUT/$t" "$BIN/$t"; done
+write_stages
+echo "$STAMP" > "$BIN/.stamp.tmp" && mv -f "$BIN/.stamp.tmp" "$BIN/.stamp"
+log "done in $(( $(date +%s) - t0 )) s: $BIN ($got, etcd $ETCD_VERSION, kwok $KWOK_VERSION)"

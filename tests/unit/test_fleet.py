@@ -1,0 +1,158 @@
+"""drafter.links + drafter.fleet on real loopback sockets: framing, the bandwidth cap, bounded
+queues, sample fan-out, work-weighted combination, local progress kept, a dead peer."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from spectrain_workloads.drafter.fleet import Combined, Fleet, FleetConfig, parse_peers
+from spectrain_workloads.drafter.links import Frame, Link, Server, Stats, TokenBucket, read_frame
+from spectrain_workloads.drafter.replicas import ModelSync
+from spectrain_workloads.errors import ConfigError
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.unit
+
+
+def _ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_frames_round_trip_over_a_socket() -> None:
+    a, b = socket.socketpair()
+    f = Frame("sample", {"rank": 3, "shapes": [[4]]}, np.arange(4, dtype=np.int64).tobytes())
+    a.sendall(f.encode() + f.encode())
+    for _ in range(2):
+        g = read_frame(b)
+        assert g is not None and g.kind == "sample" and g.header == {"rank": 3, "shapes": [[4]]}
+        assert np.frombuffer(g.payload, dtype=np.int64).tolist() == [0, 1, 2, 3]
+    a.close()
+    assert read_frame(b) is None
+
+
+def test_parse_peers() -> None:
+    assert parse_peers("a:10,b:20", world=4, local_world=2) == [("a", 10), ("a", 11), ("b", 20), ("b", 21)]
+    with pytest.raises(ConfigError, match="SPECTRAIN_DRAFTER_PEERS lists 2 nodes x 1 local ranks, but WORLD_SIZE is 3"):
+        parse_peers("a:10,b:20", world=3, local_world=1)
+    with pytest.raises(ConfigError, match="'nohost' is not host:port"):
+        parse_peers("nohost", world=1, local_world=1)
+
+
+def test_bandwidth_cap_holds_and_a_full_queue_drops() -> None:
+    got: list[float] = []
+    stats = Stats()
+    port = _ports(1)[0]
+    server = Server(("127.0.0.1", port), lambda f: got.append(time.monotonic()), stats)
+    rate = 2e6                                    # 2 MB/s, bursts of 0.25 s
+    link = Link(("127.0.0.1", port), TokenBucket(rate, rate * 0.25), max_queue_bytes=3 << 20, stats=stats)
+    payload = b"x" * 400_000
+    t0 = time.monotonic()
+    sent = sum(link.send(Frame("sample", {}, payload)) for _ in range(20))
+    assert 6 <= sent < 20 and stats.snapshot()["dropped"] == 20 - sent    # the queue holds ~3 MB: the rest dropped
+    wait_for(lambda: len(got) == sent, timeout=30)
+    elapsed = got[-1] - t0
+    # `sent` frames of 0.4 MB; the first 0.5 MB go out as a burst, the rest at 2 MB/s
+    assert elapsed >= (sent * 400_000 - rate * 0.25) / rate * 0.95, (sent, elapsed)
+    link.close()
+    server.close()
+
+
+def _fleet(rank: int, ports: list[int], *, pipeline: int, coordinator: int, **kw: float) -> Fleet:
+    return Fleet(FleetConfig(rank=rank, world=len(ports), pipeline=pipeline, coordinator=coordinator,
+                             addresses=[("127.0.0.1", p) for p in ports], bind_host="127.0.0.1", **kw))
+
+
+def test_last_stage_shares_samples_with_the_other_stages_of_its_replica() -> None:
+    ports = _ports(4)             # pipeline 2 x data 2: ranks 1 and 3 are last stages
+    fleets = [_fleet(r, ports, pipeline=2, coordinator=3) for r in range(4)]
+    try:
+        assert [f.cfg.sample_ranks for f in fleets] == [[], [0], [], [2]]
+        tokens, hidden = torch.arange(8), torch.ones(8, 4, dtype=torch.bfloat16)
+        fleets[1].share(tokens, hidden, step=5)
+        fleets[3].share(tokens + 1, None, step=6)
+        wait_for(lambda: len(fleets[0].inbox) == 1 and len(fleets[2].inbox) == 1, timeout=10)
+        (t0, h0, s0, src0), = fleets[0].take_samples(8)
+        (t2, h2, s2, src2), = fleets[2].take_samples(8)
+        assert (t0.tolist(), h0.shape, h0.dtype, s0, src0) == (list(range(8)), (8, 4), torch.bfloat16, 5, 1)
+        assert torch.equal(h0, hidden)
+        assert (t2.tolist(), h2, s2, src2) == (list(range(1, 9)), None, 6, 3)
+        assert not fleets[1].inbox and not fleets[3].inbox
+    finally:
+        for f in fleets:
+            f.close()
+
+
+def test_inbox_is_bounded_and_keeps_the_newest() -> None:
+    ports = _ports(2)
+    fleets = [_fleet(r, ports, pipeline=2, coordinator=1, inbox_bytes=3 * 64) for r in range(2)]
+    try:
+        for step in range(6):
+            fleets[1].share(torch.full((8,), step), None, step)
+        wait_for(lambda: fleets[0].stats.snapshot().get("samples_received", 0) == 6, timeout=10)
+        assert [s for _, _, s, _ in fleets[0].take_samples(10)] == [3, 4, 5]
+        assert fleets[0].stats.snapshot()["inbox_dropped"] == 3
+    finally:
+        for f in fleets:
+            f.close()
+
+
+def test_combination_is_work_weighted_and_keeps_local_progress() -> None:
+    ports = _ports(3)
+    fleets = [_fleet(r, ports, pipeline=1, coordinator=2) for r in range(3)]
+    models = [torch.nn.Linear(2, 1, bias=False) for _ in range(3)]
+    syncs = []
+    for r, m in enumerate(models):
+        with torch.no_grad():
+            m.weight.fill_(float(r))
+        syncs.append(ModelSync(m))
+    try:
+        seq0, p0 = syncs[0].contribution()
+        fleets[0].contribute(seq0, p0, work_s=3.0)      # rank 0: weight 1.0, 3 s of work
+        seq1, p1 = syncs[1].contribution()
+        fleets[1].contribute(seq1, p1, work_s=0.0)      # rank 1 did no work: it must not dilute
+        wait_for(lambda: len(fleets[2].contributions) == 2, timeout=10)
+        with torch.no_grad():
+            models[0].weight.add_(10.0)                 # progress after sending: kept on apply
+        seq2, p2 = syncs[2].contribution()
+        c = fleets[2].combine(p2, seq2, own_work_s=1.0, version=7)
+        assert c is not None and c.version == 7 and c.included == {2: seq2, 0: seq0, 1: seq1}
+        # (3 * 0 + 0 * 1 + 1 * 2) / 4 = 0.5
+        assert torch.allclose(c.params["weight"], torch.full((1, 2), 0.5))
+        wait_for(lambda: fleets[0].combined_in is not None and fleets[1].combined_in is not None, timeout=10)
+        got = fleets[0].take_combined()
+        assert got is not None and got.version == 7 and got.work_s == 4.0
+        syncs[0].apply(got, rank=0)
+        assert torch.allclose(models[0].weight, torch.full((1, 2), 10.5))
+        assert fleets[2].combine(p2, seq2, own_work_s=1.0, version=8) is None    # nobody else contributed
+    finally:
+        for f in fleets:
+            f.close()
+
+
+def test_a_late_drafter_gets_the_newest_combined_version_and_a_dead_coordinator_blocks_nobody() -> None:
+    ports = _ports(2)
+    coord = _fleet(1, ports, pipeline=1, coordinator=1)
+    coord.latest = Combined(4, {"weight": torch.ones(1, 2)}, {1: 1}, 2.0)
+    late = _fleet(0, ports, pipeline=1, coordinator=1)
+    try:
+        late.hello()
+        wait_for(lambda: late.combined_in is not None, timeout=10)
+        assert late.take_combined().version == 4    # type: ignore[union-attr]
+        coord.close()
+        t0 = time.monotonic()
+        for seq in range(50):                       # the coordinator is gone: sending never blocks
+            late.contribute(seq, {"weight": torch.zeros(1, 2)}, work_s=1.0)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        late.close()
