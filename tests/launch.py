@@ -30,6 +30,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports (all bound at once, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def node_ring_dir(ring_dir: str | os.PathLike[str], node: int, nodes: int) -> Path:
     return Path(ring_dir) if nodes == 1 else Path(ring_dir) / f"node-{node}"
 

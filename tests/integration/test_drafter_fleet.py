@@ -11,7 +11,6 @@ without it) and, restarted, rejoins from the newest combined version.
 from __future__ import annotations
 
 import signal
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 from spectrain_workloads.drafter.export import load_drafter
 from spectrain_workloads.drafter.synthetic import SyntheticSpec, SyntheticTarget, WindowSpec
 from tests.integration.drafter_procs import Pod, synthetic_target
+from tests.launch import free_ports
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -28,18 +28,8 @@ WORLD, PIPELINE, COORDINATOR = 4, 2, 3
 TIMEOUT = 240
 
 
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _pods(root: Path) -> list[Pod]:
-    peers = ",".join(f"127.0.0.1:{p}" for p in _ports(WORLD))
+    peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(WORLD))
     target = {"nodes": WORLD, "parallelism": {"data": 2, "pipeline": PIPELINE, "microbatches": 2}}
     drafter = {"activation": {"safetyMarginMs": 1}, "exchange": {"combineEverySeconds": 1}}
     return [Pod(root / f"pod-{r}", drafter=drafter, target=target,

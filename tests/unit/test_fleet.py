@@ -14,19 +14,10 @@ from spectrain_workloads.drafter.fleet import Combined, Fleet, FleetConfig, pars
 from spectrain_workloads.drafter.links import Frame, Link, Server, Stats, TokenBucket, read_frame
 from spectrain_workloads.drafter.replicas import ModelSync
 from spectrain_workloads.errors import ConfigError
+from tests.launch import free_ports
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.unit
-
-
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def test_frames_round_trip_over_a_socket() -> None:
@@ -52,7 +43,7 @@ def test_parse_peers() -> None:
 def test_bandwidth_cap_holds_and_a_full_queue_drops() -> None:
     got: list[float] = []
     stats = Stats()
-    port = _ports(1)[0]
+    port = free_ports(1)[0]
     server = Server(("127.0.0.1", port), lambda f: got.append(time.monotonic()), stats)
     rate = 2e6                                    # 2 MB/s, bursts of 0.25 s
     link = Link(("127.0.0.1", port), TokenBucket(rate, rate * 0.25), max_queue_bytes=3 << 20, stats=stats)
@@ -74,7 +65,7 @@ def _fleet(rank: int, ports: list[int], *, pipeline: int, coordinator: int, **kw
 
 
 def test_last_stage_shares_samples_with_the_other_stages_of_its_replica() -> None:
-    ports = _ports(4)             # pipeline 2 x data 2: ranks 1 and 3 are last stages
+    ports = free_ports(4)             # pipeline 2 x data 2: ranks 1 and 3 are last stages
     fleets = [_fleet(r, ports, pipeline=2, coordinator=3) for r in range(4)]
     try:
         assert [f.cfg.sample_ranks for f in fleets] == [[], [0], [], [2]]
@@ -94,7 +85,7 @@ def test_last_stage_shares_samples_with_the_other_stages_of_its_replica() -> Non
 
 
 def test_inbox_is_bounded_and_keeps_the_newest() -> None:
-    ports = _ports(2)
+    ports = free_ports(2)
     fleets = [_fleet(r, ports, pipeline=2, coordinator=1, inbox_bytes=3 * 64) for r in range(2)]
     try:
         for step in range(6):
@@ -108,7 +99,7 @@ def test_inbox_is_bounded_and_keeps_the_newest() -> None:
 
 
 def test_combination_is_work_weighted_and_keeps_local_progress() -> None:
-    ports = _ports(3)
+    ports = free_ports(3)
     fleets = [_fleet(r, ports, pipeline=1, coordinator=2) for r in range(3)]
     models = [torch.nn.Linear(2, 1, bias=False) for _ in range(3)]
     syncs = []
@@ -141,7 +132,7 @@ def test_combination_is_work_weighted_and_keeps_local_progress() -> None:
 
 
 def test_a_late_drafter_gets_the_newest_combined_version_and_a_dead_coordinator_blocks_nobody() -> None:
-    ports = _ports(2)
+    ports = free_ports(2)
     coord = _fleet(1, ports, pipeline=1, coordinator=1)
     coord.latest = Combined(4, {"weight": torch.ones(1, 2)}, {1: 1}, 2.0)
     late = _fleet(0, ports, pipeline=1, coordinator=1)
