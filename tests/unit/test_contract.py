@@ -218,6 +218,16 @@ def test_check_spec_is_empty_for_the_defaults() -> None:
     assert check_spec(JobConfig()) == []
 
 
+def test_exchange_rules_name_their_fields() -> None:
+    cfg = JobConfig()
+    cfg.drafter.exchange.bandwidth_m_bps = 0
+    cfg.drafter.exchange.combine_every_seconds = 0.5
+    errors = check_spec(cfg)
+    assert [e.split(":")[0] for e in errors] == ["spec.drafter.exchange.bandwidthMBps",
+                                                 "spec.drafter.exchange.combineEverySeconds"], errors
+    assert "spec.drafter.exchange.enabled: false" in errors[0]
+
+
 # ------------------------------------------------------------------------- generation from the contract
 
 def test_crd_defaults_come_from_the_config_dataclasses() -> None:

@@ -17,6 +17,7 @@ on the link's reader thread.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import socket
 import struct
@@ -36,9 +37,14 @@ class Frame:
     header: dict[str, Any]
     payload: bytes
 
-    def encode(self) -> bytes:
+    @functools.cached_property
+    def encoded(self) -> bytes:
+        """The wire bytes, built once: a sample frame goes to every other stage of its replica."""
         head = json.dumps({"kind": self.kind, **self.header}).encode()
         return _HEAD.pack(len(head), len(self.payload)) + head + self.payload
+
+    def encode(self) -> bytes:
+        return self.encoded
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
