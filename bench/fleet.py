@@ -79,10 +79,11 @@ def run(variant: str, steps: int, root: Path) -> dict[str, Any]:
     return out
 
 
-def final_target(data: Path) -> Any:
+def final_target(data: Path, n_layers: int = N_LAYERS) -> Any:
+    """The debug target of a pipeline-2 run at its last checkpoint (replica 0's stages: ranks 0, 1)."""
     from spectrain_workloads.model import Transformer, model_config
 
-    cfg = model_config("debug", {"n_layers": N_LAYERS}, vocab_size=264)
+    cfg = model_config("debug", {"n_layers": n_layers}, vocab_size=264)
     model = Transformer(cfg)
     state: dict[str, torch.Tensor] = {}
     for rank in (0, 1):                   # replica 0's stages hold the whole model
@@ -93,17 +94,24 @@ def final_target(data: Path) -> Any:
     return model.eval()
 
 
-def acceptance(data: Path) -> float:
-    from spectrain_workloads.drafter.export import load_drafter
+def heldout(target: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """16 held-out text sequences (not the job's data stream) and the target's hidden states."""
     from spectrain_workloads.drafter.synthetic import target_hidden, text_sequences
+
+    tokens = text_sequences(16, 64, seed=4321)
+    hidden = target_hidden(target, tokens)
+    return [(tokens[i], hidden[i]) for i in range(len(tokens))]
+
+
+def acceptance(data: Path, target: Any = None) -> float:
+    """Expected accepted length (k=4) of the run's export on held-out text through its final target."""
+    from spectrain_workloads.drafter.export import load_drafter
     from spectrain_workloads.drafter.verify import measure
 
-    target = final_target(data)
+    target = final_target(data) if target is None else target
     drafter, _ = load_drafter(data / "drafter")
     drafter.load_target_weights(target.tok_embeddings.weight, target.output.weight)
-    tokens = text_sequences(16, 64, seed=4321)           # held out: not the job's data stream
-    hidden = target_hidden(target, tokens)
-    return float(measure(drafter, [(tokens[i], hidden[i]) for i in range(len(tokens))], None, k=4).acceptance_length)
+    return float(measure(drafter, heldout(target), None, k=4).acceptance_length)
 
 
 def main() -> None:

@@ -85,6 +85,19 @@ def test_plan_maximises_samples_in_budget_within_memory_cap() -> None:
     assert comb.plan(20 * MS, available=100).micro_batch == 2
 
 
+def test_a_stale_high_estimate_of_a_small_size_does_not_keep_it_out_of_tails() -> None:
+    cost = CostModel()
+    comb = BatchCombiner(max_micro_batch=8, samples_per_step=16, cost=cost)
+    cost.observe(micro_key(1), 7 * MS)                       # measured once while the machine was busy
+    cost.observe(micro_key(2), 3 * MS)
+    for _ in range(4):
+        cost.observe(micro_key(4), 4 * MS)
+    assert comb.micro_cost(1) == 3 * MS and comb.micro_cost(2) == 3 * MS and comb.micro_cost(4) == 4 * MS
+    p = comb.plan(int(3.5 * MS), available=100)              # a 3.5 ms tail fits the size 2, priced at 3 ms
+    assert (p.micro_batch, p.micro_steps) == (2, 1)
+    assert comb.plan(int(2.5 * MS), available=100) is None   # below every estimate: nothing is guessed
+
+
 def test_gradient_accumulation_spans_calls_and_survives_state_roundtrip() -> None:
     comb = BatchCombiner(max_micro_batch=4, samples_per_step=6, cost=CostModel())
     comb.note_micro_step(4)

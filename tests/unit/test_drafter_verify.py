@@ -10,7 +10,7 @@ import torch
 from spectrain_workloads.drafter.models import EagleDrafter, build_drafter, eagle_loss
 from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.drafter.synthetic import make_target, target_hidden, text_sequences
-from spectrain_workloads.drafter.verify import Verifier, _starts, measure, measure_sample
+from spectrain_workloads.drafter.verify import Verifier, _starts, measure, measure_batch, measure_sample
 from spectrain_workloads.model import Transformer, model_config
 
 pytestmark = pytest.mark.unit
@@ -121,3 +121,31 @@ def test_starts_do_not_overlap_and_fit() -> None:
     assert _starts(40, 4, 4) == [0, 8, 16, 24]
     assert _starts(10, 4, 8) == [0, 4]
     assert _starts(4, 4, 8) == []
+
+
+def test_batched_measure_equals_rows_one_by_one(target: Transformer, trained_eagle: EagleDrafter,
+                                                data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Rows with different accepted lengths in one batch: every count equals the per-row sum."""
+    assert target.output is not None
+    tokens = torch.stack([t for t, _ in data])
+    hidden = torch.stack([h for _, h in data])
+    one_by_one = measure(trained_eagle, data, None, k=K)
+    batched = measure_batch(trained_eagle, tokens, hidden, None, k=K)
+    assert batched.to_dict() == one_by_one.to_dict() and batched.per_depth == one_by_one.per_depth
+    assert 0 < one_by_one.per_depth[-1] < one_by_one.chains, "chains should stop at different depths, or batching is not exercised"
+    lm = copy.deepcopy(target)
+    assert measure_batch(lm, tokens, hidden, target.output.weight, k=K).per_depth == \
+        measure(lm, data, target.output.weight, k=K).per_depth
+
+
+def test_verifier_chunks_batch_sequences_of_one_length(trained_eagle: EagleDrafter,
+                                                       data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    short = [(t[:24], h[:24]) for t, h in data[:2]]
+    mixed = [data[0], short[0], data[1], short[1], data[2]]
+    v = Verifier(k=K, batch=2)
+    v.begin(mixed)
+    results = []
+    while v.in_progress:
+        results.append(v.run_chunk(trained_eagle, None))
+    assert len(results) == 3 and results[:-1] == [None, None] and v.rounds == 1   # 40: 2 + 1, 24: 2
+    assert results[-1] is not None and results[-1].to_dict() == measure(trained_eagle, mixed, None, k=K).to_dict()

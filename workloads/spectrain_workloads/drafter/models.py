@@ -110,8 +110,12 @@ def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
 
 
 def eagle_loss(model: EagleDrafter, tokens: torch.Tensor, hidden: torch.Tensor, *, hidden_weight: float,
-               ce_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """tokens [B, T] int64, hidden [B, T, H] target final-norm hidden states (T >= 2)."""
+               ce_weight: float, stats: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    """tokens [B, T] int64, hidden [B, T, H] target final-norm hidden states (T >= 2).
+
+    stats=False skips the monitoring figures (an argmax over the vocabulary and three host syncs):
+    the training micro-step in a short window does not read them.
+    """
     hidden = hidden.to(model.fc.weight.dtype)
     logits, h_pred = model(tokens[:, 1:], hidden[:, :-1])      # position t: (x_{t+1}, h_t), t < T-1
     h_next = hidden[:, 1:]                                       # h_{t+1}: the regression target
@@ -120,29 +124,33 @@ def eagle_loss(model: EagleDrafter, tokens: torch.Tensor, hidden: torch.Tensor, 
     reg = F.smooth_l1_loss(h_pred, h_next, reduction="none").mean(dim=(1, 2))   # [B]
     ce = soft_ce(logits, target_logits)                                          # [B]
     loss = (hidden_weight * reg + ce_weight * ce).sum()
+    if not stats:
+        return loss, {}
     with torch.no_grad():
         top1 = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean().item()
     return loss, {"reg": reg.mean().item(), "ce": ce.mean().item(), "top1": top1}
 
 
 def lm_loss(model: Transformer, tokens: torch.Tensor, hidden: torch.Tensor | None, lm_head: torch.Tensor | None,
-            *, soft_weight: float, hard_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """tokens [B, T]; hidden [B, T, H] and lm_head [V, H] when the target's distribution is known."""
+            *, soft_weight: float, hard_weight: float, stats: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    """tokens [B, T]; hidden [B, T, H] and lm_head [V, H] when the target's distribution is known.
+    stats=False: as in eagle_loss."""
     logits = model(tokens[:, :-1])                                                # [B, T-1, V] predicts tokens[:, 1:]
     hard = F.cross_entropy(logits.transpose(1, 2).float(), tokens[:, 1:], reduction="none").mean(-1)  # [B]
     loss = hard_weight * hard
-    stats = {"hard_ce": hard.mean().item()}
+    figures = {"hard_ce": hard.mean().item()} if stats else {}
     if hidden is not None and lm_head is not None:
         with torch.no_grad():
             target_logits = hidden[:, :-1].float() @ lm_head.float().T           # the target's view of tokens[t+1]
         soft = soft_ce(logits, target_logits)
         loss = loss + soft_weight * soft
-        stats["ce"] = soft.mean().item()
-        with torch.no_grad():
-            stats["top1"] = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean().item()
+        if stats:
+            figures["ce"] = soft.mean().item()
+            with torch.no_grad():
+                figures["top1"] = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean().item()
     elif hard_weight == 0:
         loss = hard  # without the target's distribution the hard CE is the only signal
-    return loss.sum(), stats
+    return loss.sum(), figures
 
 
 # ---------------------------------------------------------------- target weights

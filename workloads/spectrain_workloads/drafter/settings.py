@@ -46,6 +46,7 @@ class DrafterSettings:
     eval_samples: int = 16              # held-out chunks kept (the newest)
     # verification / checkpoints / liveness
     verify_k: int = 4                   # draft length for the expected accepted length
+    verify_batch: int = 8               # held-out chunks measured together in one verification task
     verify_every_s: float = 5.0
     checkpoint_every_s: float = 30.0
     keep_checkpoints: int = 3
@@ -79,7 +80,7 @@ class DrafterSettings:
         if self.hidden_loss_weight + self.ce_loss_weight == 0:
             raise ConfigError("drafter loss weights are all 0; set hidden_loss_weight or ce_loss_weight > 0")
         for name in ("lm_dim", "lm_layers", "lm_heads", "samples_per_step", "max_micro_batch", "max_reuse",
-                     "seq_cap", "eval_every", "eval_samples", "verify_k", "keep_checkpoints"):
+                     "seq_cap", "eval_every", "eval_samples", "verify_k", "verify_batch", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"drafter setting {name} must be >= 1, got {getattr(self, name)}")
         if self.seq_cap < 4:

@@ -3,7 +3,7 @@
 Tasks (each one timed by the worker from launch to device synchronisation):
 - micro_step(samples): forward + backward of one micro-batch, gradients summed into .grad;
 - optimizer_step(n): average the accumulated gradients over the n samples, clip, AdamW step;
-- verify_chunk(): one held-out sequence of the current verification round.
+- verify_chunk(): a few held-out sequences (batched) of the current verification round.
 Nothing here touches the target: its weights arrive as copies (models.TargetShared).
 """
 
@@ -38,7 +38,7 @@ class DrafterTrainer:
             self.model.load_target_weights(target.embedding, target.lm_head)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
-        self.verifier = Verifier(k=settings.verify_k, max_starts=2)   # small chunks fit short windows
+        self.verifier = Verifier(k=settings.verify_k, max_starts=2, batch=settings.verify_batch)
 
     @property
     def eagle(self) -> bool:
@@ -69,10 +69,10 @@ class DrafterTrainer:
         if isinstance(self.model, EagleDrafter):
             assert hidden is not None
             loss, _ = eagle_loss(self.model, tokens, hidden, hidden_weight=s.hidden_loss_weight,
-                                 ce_weight=s.ce_loss_weight)
+                                 ce_weight=s.ce_loss_weight, stats=False)
         else:
             loss, _ = lm_loss(self.model, tokens, hidden, self.target_head if hidden is not None else None,
-                              soft_weight=s.ce_loss_weight, hard_weight=s.hard_ce_weight)
+                              soft_weight=s.ce_loss_weight, hard_weight=s.hard_ce_weight, stats=False)
         loss.backward()
         value = loss.item() / len(samples)   # .item() synchronises on CUDA
         self.sync()

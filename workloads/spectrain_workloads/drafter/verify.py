@@ -14,7 +14,7 @@ the target's greedy token after position p is g_p = argmax lm_head(h_p).
   `acceptance_length` = accepted + 1 (EAGLE's tau: tokens per verification, incl. the target's own).
 For tokens-only data (LM arch without the target's hidden states) the reference is the data token.
 
-Work is split into one-sequence chunks so the gate can fit verification into short windows.
+Work is split into chunks of a few sequences, batched, so the gate can fit verification into short windows.
 """
 
 from __future__ import annotations
@@ -77,31 +77,32 @@ def _starts(T: int, k: int, max_starts: int) -> list[int]:
 
 
 @torch.no_grad()
-def measure_sample(model: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor | None,
-                   target_head: torch.Tensor | None, *, k: int, max_starts: int = 4) -> Acceptance:
-    """One sequence: tokens [T] int64, hidden [T, H] (None: tokens only), target_head [V, H] (LM arch)."""
+def measure_batch(model: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor | None,
+                  target_head: torch.Tensor | None, *, k: int, max_starts: int = 4) -> Acceptance:
+    """Sequences of one length at once: tokens [B, T] int64, hidden [B, T, H] (None: tokens only),
+    target_head [V, H] (LM arch). Equal to the sum of the rows measured one by one; batching turns
+    B x (1 + chains x (k + 1)) small forwards into 1 + chains x (k + 1) forwards of B rows."""
     acc = Acceptance(k=k, per_depth=[0] * k)
-    T = tokens.numel()
-    tok = tokens.view(1, T)
+    B, T = tokens.shape
     eagle = isinstance(model, EagleDrafter)
     if eagle and hidden is None:
         return acc
     if hidden is not None:
-        hid = hidden.view(1, T, -1).float()
+        hid = hidden.float()
         head = model.lm_head.weight if eagle else target_head
-        greedy = (hid[0] @ head.float().T).argmax(-1) if head is not None else None   # [T]: g_p
+        greedy = (hid @ head.float().T).argmax(-1) if head is not None else None      # [B, T]: g_p
     else:
         hid, greedy = None, None
     # Reference for the draft that predicts token p+1: the target's greedy g_p, else the data token.
-    ref = greedy if greedy is not None else torch.cat([tok[0, 1:], tok[0, -1:]])
+    ref = greedy if greedy is not None else torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)   # [B, T]
 
     # top-1, teacher-forced
     if eagle:
-        logits, _ = model(tok[:, 1:], hid[:, :-1])       # [1, T-1, V]; position t predicts token t+2
-        pred, want = logits[0].argmax(-1), ref[1:T]
+        logits, _ = model(tokens[:, 1:], hid[:, :-1])     # [B, T-1, V]; position t predicts token t+2
+        pred, want = logits.argmax(-1), ref[:, 1:T]
     else:
-        logits = model(tok[:, :-1])                       # position t predicts token t+1
-        pred, want = logits[0].argmax(-1), ref[: T - 1]
+        logits = model(tokens[:, :-1])                     # position t predicts token t+1
+        pred, want = logits.argmax(-1), ref[:, : T - 1]
     acc.top1_hits += int((pred == want).sum())
     acc.top1_total += int(want.numel())
 
@@ -109,7 +110,7 @@ def measure_sample(model: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor 
     starts = _starts(T, k, max_starts)
     if not starts:
         return acc
-    model.setup_caches(1, T)
+    model.setup_caches(B, T)
     try:
         filled = 0   # true positions [0, filled) are in the cache; drafted ones after a chain are overwritten
         for t in starts:
@@ -117,35 +118,43 @@ def measure_sample(model: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor 
             pos = torch.arange(filled, last_in + 1)
             mask = causal_decode_mask(pos, T)
             if eagle:
-                logits, h = model(tok[:, pos + 1], hid[:, pos], pos, mask)
+                logits, h = model(tokens[:, pos + 1], hid[:, pos], pos, mask)
                 h_last = h[:, -1:]
             else:
-                logits = model(tok[:, pos], pos, mask)
+                logits = model(tokens[:, pos], pos, mask)
             filled = last_in + 1
-            d = logits[:, -1].argmax(-1)                # d_1: predicts token t+2
-            n_ok = 0
+            d = logits[:, -1].argmax(-1)                # [B] d_1: predicts token t+2
+            alive = torch.ones(B, dtype=torch.bool)     # rows whose drafts all matched so far
             for j in range(1, k + 1):
-                if int(d) != int(ref[t + j]):
+                alive &= d == ref[:, t + j]
+                n = int(alive.sum())
+                if n == 0:
                     break
-                n_ok += 1
-                acc.per_depth[j - 1] += 1
+                acc.accepted_sum += n
+                acc.per_depth[j - 1] += n
                 if j == k:
                     break
                 p = torch.tensor([last_in + j])
                 mask = causal_decode_mask(p, T)
                 if eagle:
-                    logits, h = model(d.view(1, 1), h_last, p, mask)
+                    logits, h = model(d.view(B, 1), h_last, p, mask)
                     h_last = h
                 else:
-                    logits = model(d.view(1, 1), p, mask)
+                    logits = model(d.view(B, 1), p, mask)
                 d = logits[:, -1].argmax(-1)
             # The chain left drafted entries in slots after last_in; the next start (>= t + k)
             # prefills from `filled` = last_in + 1 and so overwrites them with true ones.
-            acc.accepted_sum += n_ok
-            acc.chains += 1
+            acc.chains += B
     finally:
         model.clear_caches()
     return acc
+
+
+def measure_sample(model: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor | None,
+                   target_head: torch.Tensor | None, *, k: int, max_starts: int = 4) -> Acceptance:
+    """One sequence: tokens [T] int64, hidden [T, H] (None: tokens only), target_head [V, H] (LM arch)."""
+    return measure_batch(model, tokens.view(1, -1), None if hidden is None else hidden.unsqueeze(0),
+                         target_head, k=k, max_starts=max_starts)
 
 
 def measure(model: nn.Module, samples: list[tuple[torch.Tensor, torch.Tensor | None]],
@@ -158,10 +167,11 @@ def measure(model: nn.Module, samples: list[tuple[torch.Tensor, torch.Tensor | N
 
 
 class Verifier:
-    """A verification round split into one-sequence chunks (each a gated task of its own)."""
+    """A verification round split into chunks of up to `batch` sequences of one length (each chunk a
+    gated task of its own)."""
 
-    def __init__(self, *, k: int, max_starts: int = 4) -> None:
-        self.k, self.max_starts = k, max_starts
+    def __init__(self, *, k: int, max_starts: int = 4, batch: int = 1) -> None:
+        self.k, self.max_starts, self.batch = k, max_starts, batch
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._acc = Acceptance(k=k, per_depth=[0] * k)
         self.last: Acceptance | None = None
@@ -175,10 +185,23 @@ class Verifier:
     def in_progress(self) -> bool:
         return bool(self._pending)
 
+    def _take(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Up to `batch` pending sequences of the last one's length and kind (hidden or not)."""
+        tokens, hidden = self._pending[-1]
+        same = [i for i in range(len(self._pending) - 1, -1, -1)
+                if self._pending[i][0].numel() == tokens.numel() and (self._pending[i][1] is None) == (hidden is None)]
+        chosen = same[: self.batch]
+        taken = [self._pending[i] for i in chosen]
+        for i in sorted(chosen, reverse=True):
+            del self._pending[i]
+        return taken
+
     def run_chunk(self, model: nn.Module, target_head: torch.Tensor | None) -> Acceptance | None:
-        """Verify one sequence; returns the round's result when this chunk completed it."""
-        tokens, hidden = self._pending.pop()
-        self._acc.merge(measure_sample(model, tokens, hidden, target_head, k=self.k, max_starts=self.max_starts))
+        """Verify one chunk; returns the round's result when this chunk completed it."""
+        taken = self._take()
+        tokens = torch.stack([t for t, _ in taken])
+        hidden = None if taken[0][1] is None else torch.stack([h for _, h in taken])   # type: ignore[misc]
+        self._acc.merge(measure_batch(model, tokens, hidden, target_head, k=self.k, max_starts=self.max_starts))
         if self._pending:
             return None
         self.last, self.rounds = self._acc, self.rounds + 1
