@@ -154,3 +154,14 @@ def test_unmeasured_unit_never_starts_and_lost_windows_expire() -> None:
     assert g.tracker.expire(50 * MS) == []
     gone = g.tracker.expire(10_000 * MS)
     assert [w.window_id for w in gone] == [1] and not g.tracker.open
+
+
+def test_unit_is_no_higher_than_a_larger_measured_micro_step() -> None:
+    g = make_gate()
+    g.cost.observe(("train", 2), 3 * MS)
+    assert g.unit_ns() is None                               # the unit itself was never measured
+    g.cost.observe(UNIT_KEY, 9 * MS)                         # measured at a busy moment
+    g.cost.observe(("optim", 0), 1 * MS)                     # not a unit of training work
+    assert g.unit_ns() == 3 * MS
+    g.tracker.update([start(1, WindowKind.BUBBLE, 0, predicted_ms=6)])
+    assert g.allows(g.budget(0), None, starting=True)       # 6 ms fits 3 + 2 margin, not 9 + 2

@@ -188,8 +188,16 @@ class Gate:
         self.tracker = tracker
 
     def unit_ns(self) -> int | None:
-        """The minimum unit of work: minWindowMs when set, else the measured one-sample micro-step."""
-        return self.min_window_ns if self.min_window_ns > 0 else self.cost.estimate(UNIT_KEY)
+        """The minimum unit of work: minWindowMs when set, else the measured one-sample micro-step,
+        or a larger micro-step's estimate where that is lower (the one-sample size runs rarely once
+        larger ones pay off, so its estimate can be stale from a busy moment)."""
+        if self.min_window_ns > 0:
+            return self.min_window_ns
+        unit = self.cost.estimate(UNIT_KEY)
+        if unit is None:
+            return None
+        larger = [self.cost.estimate(k) for k in self.cost.keys() if isinstance(k, tuple) and k[0] == UNIT_KEY[0]]
+        return min([unit, *(e for e in larger if e is not None)])
 
     def budget(self, now_ns: int) -> Budget:
         """The best usable open window and its predicted remaining time minus the margin."""

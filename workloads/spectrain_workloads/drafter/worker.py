@@ -41,8 +41,13 @@ from spectrain_workloads.drafter.train import DrafterTrainer
 ALWAYS_SLICE_NS = 50_000_000     # policy Always: return to housekeeping this often
 # A unit of work measured while the machine was busy can exceed every window, and the drafter then
 # never works again to learn otherwise: with data but no work for this long, measure again
-# (outside windows, a few micro-steps), backing off x2 up to REMEASURE_MAX_S while it stays idle.
+# (a few micro-steps), backing off x2 up to REMEASURE_MAX_S while it stays idle.
 REMEASURE_AFTER_S, REMEASURE_MAX_S = 10.0, 300.0
+# Measurements are taken inside an open window where one comes: outside windows the drafter shares
+# the device with its target's compute and measures costs several times what it pays in a window
+# (on 2 CPU cores, 21-28 ms against 2.5-7 ms), which keeps it out of windows it would fit. With no
+# window for this long after data arrived (policy Always, a target that never idles) it measures anyway.
+CALIBRATE_WAIT_S = 5.0
 WAIT_S = 0.05                    # longest block on the ring between housekeeping checks
 
 
@@ -95,6 +100,7 @@ class Worker:
         self.calibrated = False
         self._last_work = time.monotonic()
         self._remeasure_s = REMEASURE_AFTER_S
+        self._due_since: float | None = None       # since when a measurement is due (data, no window yet)
 
     # ------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -107,8 +113,8 @@ class Worker:
             if self.s.policy != "Off" and not self._setup_trainer():
                 return 0
             while not self.stop.is_set():
-                if self.trainer is not None and not self.calibrated and self.buffer.trainable():
-                    self._calibrate(self.trainer, self.buffer.train[-1].length)
+                if self.trainer is not None and self._measure_due() and self._measure_now():
+                    self._measure(self.trainer)
                 did = self._work() if self.calibrated else False
                 if did:
                     self._last_work, self._remeasure_s = time.monotonic(), REMEASURE_AFTER_S
@@ -197,11 +203,34 @@ class Worker:
         self._set_state("Waiting", "NoData" if not self.buffer.trainable() else "NoWindow")
         return True
 
+    def _measure_due(self) -> bool:
+        """Never measured, or idle with data for longer than the back-off (see REMEASURE_AFTER_S)."""
+        return not self.calibrated or (self.combiner.accumulated == 0
+                                       and time.monotonic() - self._last_work > self._remeasure_s)
+
+    def _measure(self, trainer: DrafterTrainer) -> None:
+        if self.calibrated:
+            self._last_work, self._remeasure_s = time.monotonic(), min(2 * self._remeasure_s, REMEASURE_MAX_S)
+            self.cost.forget()
+        self._calibrate(trainer, self.buffer.train[-1].length)
+
+    def _measure_now(self) -> bool:
+        """A measurement is due: is there data to learn the sequence length from, and an open window
+        to measure in (or has none come for CALIBRATE_WAIT_S)?"""
+        if not self.buffer.trainable():
+            self._due_since = None
+            return False
+        now = time.monotonic()
+        if self._due_since is None:
+            self._due_since = now
+        budget = self.gate.budget(time.monotonic_ns())
+        return budget.remaining_ns > 0 or now - self._due_since >= CALIBRATE_WAIT_S   # > 0: a window (or policy Always)
+
     def _calibrate(self, trainer: DrafterTrainer, length: int) -> None:
         """Measure the unit of work (and the verification chunk) once data shows the sequence length.
 
-        One-off, outside windows, on synthetic data of that length: the first call pays lazy
-        initialisation (allocator, kernels), so it is run and discarded before measuring.
+        One-off, in an open window where possible (`_measure_now`), on synthetic data of that length:
+        the first call pays lazy initialisation (allocator, kernels), so it is run and discarded.
         """
         t0 = time.monotonic_ns()
         cap = trainer.memory_cap_samples(self.memory_cap_bytes, length)
@@ -221,7 +250,7 @@ class Worker:
             if i:
                 self.cost.observe(VERIFY_KEY, time.monotonic_ns() - t0)
         trainer.verifier.last, trainer.verifier.rounds = None, 0
-        self.calibrated = True
+        self.calibrated, self._due_since = True, None
         self.ready_ns = time.monotonic_ns()
         self.metrics.log("calibrated", length=length, unit_ns=self.gate.unit_ns(), calibrate_ns=self.ready_ns - t0,
                          memory_cap_samples=self.combiner.memory_cap_samples)
@@ -407,11 +436,6 @@ class Worker:
                 if shared is not None:
                     self.trainer.refresh_target(shared)
                     self._stamp = shared.stamp
-        if (self.calibrated and self.buffer.trainable() and self.combiner.accumulated == 0
-                and time.monotonic() - self._last_work > self._remeasure_s):
-            self._last_work, self._remeasure_s = time.monotonic(), min(2 * self._remeasure_s, REMEASURE_MAX_S)
-            self.cost.forget()
-            self._calibrate(self.trainer, self.buffer.train[-1].length)
         if self.replicas is not None and self.combiner.optimizer_steps > 0:
             if self.replicas.round(self.combiner.samples_trained, self.version + 1) is not None:
                 self._checkpoint("combined")      # the coordinator exports the combined version
