@@ -60,6 +60,10 @@ def test_drafter_works_only_inside_usable_windows_and_flushes_on_sigterm(tmp_pat
     work = pod.of("work")
     unit_ns = calibrated["unit_ns"]
     assert unit_ns > 0.3 * MS
+    # Costs are measured inside a usable window (where the target leaves the device to the drafter),
+    # not while the target computes.
+    assert any(w["kind"] in KINDS and w["start_ns"] <= calibrated["start_ns"] <= w["start_ns"] + w["actual_ns"]
+               for w in windows.values()), "the unit was measured outside every usable window"
     kinds_worked = set()
     for rec in work:
         w = windows.get(rec["window_id"])

@@ -232,7 +232,7 @@ class Worker:
         One-off, in an open window where possible (`_measure_now`), on synthetic data of that length:
         the first call pays lazy initialisation (allocator, kernels), so it is run and discarded.
         """
-        t0 = time.monotonic_ns()
+        begin = time.monotonic_ns()
         cap = trainer.memory_cap_samples(self.memory_cap_bytes, length)
         if cap is not None:
             self.combiner.memory_cap_samples = min(self.combiner.memory_cap_samples, cap)
@@ -252,7 +252,8 @@ class Worker:
         trainer.verifier.last, trainer.verifier.rounds = None, 0
         self.calibrated, self._due_since = True, None
         self.ready_ns = time.monotonic_ns()
-        self.metrics.log("calibrated", length=length, unit_ns=self.gate.unit_ns(), calibrate_ns=self.ready_ns - t0,
+        self.metrics.log("calibrated", length=length, unit_ns=self.gate.unit_ns(), start_ns=begin,
+                         calibrate_ns=self.ready_ns - begin,
                          memory_cap_samples=self.combiner.memory_cap_samples)
 
     # ------------------------------------------------------------ ring input
