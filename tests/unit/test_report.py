@@ -117,6 +117,18 @@ def test_the_coordinators_count_of_exported_work_covers_the_last_round(tmp_path:
     assert s["effective_s_by_rank"] == pytest.approx({"0": 0.3, "1": 0.15})    # the larger of the two counts
 
 
+def test_combined_work_counts_only_its_share_inside_windows(tmp_path: Path) -> None:
+    # Rank 0 was busy 0.08 s, 0.04 s of it inside windows (tasks ran past window ends): half of the
+    # work it says reached the export was idle time, so half counts.
+    pretrain_run(tmp_path, summary0={"combinedWorkSeconds": 0.06, "busySeconds": 0.08})
+    s1 = json.loads((tmp_path / "drafter-summary-rank-1.json").read_text())
+    s1["exportWorkSecondsByRank"] = {"0": 0.07}
+    (tmp_path / "drafter-summary-rank-1.json").write_text(json.dumps(s1))
+    s = report.summarize(tmp_path)
+    assert s["effective_s_by_rank"]["0"] == pytest.approx(0.07 * 0.5)
+    assert s["effective_s_by_rank"]["0"] <= s["harvested_s_by_rank"]["0"]
+
+
 def rl_run(d: Path, *, steps: int = 20, plain_every: int = 4) -> list[float]:
     """One rank of RL: reward rising linearly; every `plain_every`-th step measured side by side."""
     speedups = [1.2, 1.4, 1.3, 1.5, 1.1]
