@@ -99,8 +99,13 @@ def test_idle_harvested_and_effective_seconds_per_rank(tmp_path: Path) -> None:
 def test_combined_work_seconds_and_exchange_counters_are_used_when_the_drafter_reports_them(tmp_path: Path) -> None:
     # The fleet: rank 0's window work reaches the exported model through the combined version.
     pretrain_run(tmp_path, summary0={"combinedWorkSeconds": 0.1, "exchangeBytesSent": 3_000_000,
-                                     "exchangeBytesReceived": 1_000_000})
+                                     "exchangeBytesReceived": 1_000_000, "usableSeconds": 0.3,
+                                     "windowsVerifyOnly": 2})
     s = report.summarize(tmp_path)
+    # the Communication window (50 ms) fitted no micro-step: 0.35 s idle, 0.3 s usable
+    assert s["per_rank"]["0"]["unusable_s"] == pytest.approx(0.05)
+    assert s["per_rank"]["0"]["windows_verify_only"] == 2 and s["per_rank"]["1"]["unusable_s"] is None
+    assert any("too short 0.05 s, 2 windows verify-only" in line for line in report.headline(s))
     assert s["effective_s_by_rank"] == pytest.approx({"0": 0.1, "1": 0.15})
     assert s["effective_harvest_fraction"] == pytest.approx(0.25 / 0.75)
     assert s["per_rank"]["0"]["exchange_mb_per_s"] == pytest.approx(4.0 / 2.0)    # 4 MB over its 2 s of logs

@@ -11,6 +11,9 @@ whose drafter died still has them):
   model version) is taken at its word. Otherwise only the exporting drafter's (summary `artifact`
   set) work counts, and only work that ended before the export it is now at was written: the other
   ranks' drafters train copies that no export ever contains, however busy they are;
+- unusable seconds: idle seconds in windows shorter than the drafter's unit of work + margin, of
+  kinds it does not use, or before it was ready (idle - the drafter's `usableSeconds`); windows too short to train in but
+  long enough for an acceptance measurement on fresh samples are counted (`windows_verify_only`);
 - effective harvest fraction: effective seconds of all ranks / idle seconds of all ranks. It is the
   figure that says how much of the idle GPU time became drafter quality;
 - exchange MB/s: bytes the drafter sent + received with its peers (`exchangeBytesSent`,
@@ -100,9 +103,15 @@ def rank_figures(rd: RankData) -> dict[str, Any]:
     harvested = {k: 0.0 for k in KINDS}
     for ev, s in work:
         harvested[ev.get("kind", "Bubble")] = harvested.get(ev.get("kind", "Bubble"), 0.0) + s
+    usable = rd.summary.get("usableSeconds")
     return {
         "idle_s_by_kind": idle, "harvested_s_by_kind": harvested,
         "idle_s": sum(idle.values()), "harvested_s": sum(harvested.values()),
+        # idle seconds no drafter task could use: windows shorter than its unit of work + margin, of
+        # kinds not in activation.kinds, or before it was ready (its own usableSeconds is the rest)
+        "unusable_s": max(0.0, sum(idle.values()) - float(usable)) if _num(usable) else None,
+        # windows that fit only an acceptance measurement on fresh samples, and were used for one
+        "windows_verify_only": rd.summary.get("windowsVerifyOnly"),
         "effective_s": effective_seconds(rd, work),
         "exports": bool(rd.summary.get("artifact")),
         "exchange_mb_per_s": exchange_mb_per_s(rd),

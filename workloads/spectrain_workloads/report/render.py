@@ -24,9 +24,15 @@ def _fmt(v: Any, unit: str = "") -> str:
     return "-" if v is None else f"{v}{unit}"
 
 
+def _unusable(p: dict[str, Any]) -> str:
+    u, v = p.get("unusable_s"), p.get("windows_verify_only")
+    return "-" if u is None else f"{u:.3g} s" + (f", {v} windows verify-only" if v else "")
+
+
 def _rank_line(p: dict[str, Any]) -> str:
     mbs = p.get("exchange_mb_per_s")
     return (f"idle {_fmt(p['idle_s_by_kind'], ' s')} | harvested {_fmt(p['harvested_s_by_kind'], ' s')} | "
+            f"too short {_unusable(p)} | "
             f"effective {p['effective_s']:.3g} s{' (exports)' if p.get('exports') else ''} | "
             f"exchange {'-' if mbs is None else f'{mbs:.3g} MB/s'} | drafter {p['drafter']}")
 
@@ -66,12 +72,14 @@ def build_report(run_dir: Path) -> Path:
     lines = [f"# spectrain run report: {run_dir}", "", "| figure | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in s.items() if k not in _SECTIONED]
     lines += ["", "## Per rank", "",
-              "Effective: harvested seconds whose result reaches the exported drafter.", "",
-              "| rank | idle by kind (s) | harvested by kind (s) | effective (s) | exchange (MB/s) | drafter |",
-              "|---|---|---|---|---|---|"]
+              "Effective: harvested seconds whose result reaches the exported drafter. Too short: idle "
+              "seconds in windows shorter than the drafter's unit of work + margin (or of kinds it does not "
+              "use); verify-only: windows used for an acceptance measurement only.", "",
+              "| rank | idle by kind (s) | harvested by kind (s) | too short | effective (s) | exchange (MB/s) | drafter |",
+              "|---|---|---|---|---|---|---|"]
     for r, p in s["per_rank"].items():
         mbs = p.get("exchange_mb_per_s")
-        lines.append(f"| {r} | {_fmt(p['idle_s_by_kind'])} | {_fmt(p['harvested_s_by_kind'])} | "
+        lines.append(f"| {r} | {_fmt(p['idle_s_by_kind'])} | {_fmt(p['harvested_s_by_kind'])} | {_unusable(p)} | "
                      f"{p['effective_s']:.3g}{' (exports)' if p['exports'] else ''} | {_fmt(mbs)} | {p['drafter']} |")
     if has_rl:
         lines += ["", "## RL", ""] + [f"- {label}: {text}" for label, text in _rl_lines(s)]
