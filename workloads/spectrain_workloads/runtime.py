@@ -141,6 +141,20 @@ def select_device(opts: TargetOptions, rank: RankInfo) -> torch.device:
     return torch.device("cpu")
 
 
+RING_BUDGET_BYTES = 192 << 20     # data slots of one rank's ring at most (a memory-backed volume)
+
+
+def ring_layout(*, hidden_dim: int, seq_len: int, publishes: bool) -> Any:
+    """The ring of a rank: ranks that publish hidden states get data slots of one sequence each
+    (hidden [T, H] fp32 + tokens [T] int64 + meta), 4..32 of them within RING_BUDGET_BYTES."""
+    from spectrain_workloads.ring import RingLayout
+
+    mib = 1 << 20
+    need = seq_len * hidden_dim * 4 + seq_len * 8 + 64 * 1024
+    slot = max(mib, -(-need // mib) * mib) if publishes else 64 * 1024
+    return RingLayout(data_slots=max(4, min(32, RING_BUDGET_BYTES // slot)), data_slot_bytes=slot)
+
+
 @dataclass(kw_only=True)
 class Runtime:
     cfg: JobConfig
@@ -189,14 +203,11 @@ class Runtime:
         states get data slots of one sequence: hidden [T, H] fp32 + tokens [T] + meta."""
         if not self.opts.drafter_enabled or self.opts.ring_dir is None:
             return None
-        from spectrain_workloads.ring import RingLayout, RingProducer, ring_path
+        from spectrain_workloads.ring import RingProducer, ring_path
 
-        mib = 1 << 20
-        need = seq_len * hidden_dim * 4 + seq_len * 8 + 64 * 1024
-        slot = max(mib, -(-need // mib) * mib) if publishes else 64 * 1024
-        slots = max(4, min(32, (192 * mib) // slot))
         return RingProducer.create(ring_path(self.opts.ring_dir, self.rank.local_rank),
-                                   layout=RingLayout(data_slots=slots, data_slot_bytes=slot), rank=self.rank.rank)
+                                   layout=ring_layout(hidden_dim=hidden_dim, seq_len=seq_len, publishes=publishes),
+                                   rank=self.rank.rank)
 
     def save_shared(self, *, embedding: torch.Tensor | None = None, lm_head: torch.Tensor | None = None,
                     model_config: dict[str, Any] | None = None) -> None:
