@@ -12,11 +12,12 @@ Runs examples/demo.yaml (`spectrain run`, as `make demo`), then on the run's fin
 - peak_over_ceiling        the in-run peak / the ceiling: above 1 when the peak was measured against
                            a target that was still predicting near-constant tokens
 
-Run: python -m bench.tracking [--quick]   (make bench-tracking [QUICK=1])
+Run: python -m bench.tracking [--quick] [--drafter-lr LR]   (make bench-tracking [QUICK=1])
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -29,14 +30,16 @@ from typing import Any
 import torch
 import yaml
 
-from bench.common import parse_args, print_table, write_results
+from bench.common import print_table, write_results
 from bench.fleet import acceptance, final_target, heldout
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_demo(root: Path) -> tuple[Path, int]:
+def run_demo(root: Path, drafter_lr: float | None) -> tuple[Path, int]:
     job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    if drafter_lr is not None:
+        job["spec"]["drafter"]["optimizer"] = {"lr": drafter_lr}
     path = root / "demo.yaml"
     path.write_text(yaml.safe_dump(job))
     res = subprocess.run([sys.executable, "-m", "spectrain_operator.cli", "run", str(path), "--run-dir",
@@ -82,11 +85,14 @@ def ceiling(target: Any, samples: int) -> tuple[float, list[float]]:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a shorter offline ceiling (the demo runs whole)")
+    ap.add_argument("--drafter-lr", type=float, default=None, help="override spec.drafter.optimizer.lr")
+    args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="spectrain-bench-tracking-") as tmp:
         t0 = time.monotonic()
-        data, n_layers = run_demo(Path(tmp))
+        data, n_layers = run_demo(Path(tmp), args.drafter_lr)
         wall = time.monotonic() - t0
         target = final_target(data, n_layers)
         export = acceptance(data, target)
@@ -101,6 +107,7 @@ def main() -> None:
         "final_over_peak": in_run[-1] / max(in_run),
         "peak_over_ceiling": max(in_run) / plateau,
         "demo_wall_s": wall,
+        "drafter_lr": args.drafter_lr,
         "ceiling_curve": [round(c, 3) for c in curve],
     }
     print_table("bench-tracking (examples/demo.yaml)", {k: v for k, v in keys.items() if k != "ceiling_curve"})
