@@ -109,9 +109,9 @@ def test_combination_is_work_weighted_and_keeps_local_progress() -> None:
         syncs.append(ModelSync(m))
     try:
         seq0, p0 = syncs[0].contribution()
-        fleets[0].contribute(seq0, p0, work_s=3.0)      # rank 0: weight 1.0, 3 s of work
+        fleets[0].contribute(seq0, p0, work_total_s=3.0)   # rank 0: weight 1.0, 3 s of work
         seq1, p1 = syncs[1].contribution()
-        fleets[1].contribute(seq1, p1, work_s=0.0)      # rank 1 did no work: it must not dilute
+        fleets[1].contribute(seq1, p1, work_total_s=0.0)   # rank 1 did no work: it must not dilute
         wait_for(lambda: len(fleets[2].contributions) == 2, timeout=10)
         with torch.no_grad():
             models[0].weight.add_(10.0)                 # progress after sending: kept on apply
@@ -131,6 +131,31 @@ def test_combination_is_work_weighted_and_keeps_local_progress() -> None:
             f.close()
 
 
+def test_work_in_a_replaced_contribution_is_not_lost_and_a_restart_counts_from_zero() -> None:
+    ports = free_ports(2)
+    fleets = [_fleet(r, ports, pipeline=1, coordinator=1) for r in range(2)]
+    member, coord = fleets
+    w = {"weight": torch.zeros(1, 2)}
+    try:
+        member.contribute(1, w, work_total_s=2.0)
+        member.contribute(2, w, work_total_s=5.0)       # before any round: replaces the first, holds its 2 s
+        wait_for(lambda: coord.contributions.get(0) is not None and coord.contributions[0].seq == 2, timeout=10)
+        c = coord.combine(w, 1, own_work_s=1.0, version=1)
+        assert c is not None and c.work_by_rank == {1: 1.0, 0: 5.0}
+        member.contribute(3, w, work_total_s=6.5)
+        wait_for(lambda: 0 in coord.contributions, timeout=10)
+        c = coord.combine(w, 2, own_work_s=0.5, version=2)
+        assert c is not None and c.work_by_rank == {1: 0.5, 0: 1.5}        # only what version 1 lacked
+        member.incarnation = "restarted"                   # as a new process of rank 0: its totals start again
+        member.contribute(1, w, work_total_s=0.75)
+        wait_for(lambda: 0 in coord.contributions, timeout=10)
+        c = coord.combine(w, 3, own_work_s=0.25, version=3)
+        assert c is not None and c.work_by_rank == {1: 0.25, 0: 0.75}
+    finally:
+        for f in fleets:
+            f.close()
+
+
 def test_a_late_drafter_gets_the_newest_combined_version_and_a_dead_coordinator_blocks_nobody() -> None:
     ports = free_ports(2)
     coord = _fleet(1, ports, pipeline=1, coordinator=1)
@@ -143,7 +168,7 @@ def test_a_late_drafter_gets_the_newest_combined_version_and_a_dead_coordinator_
         coord.close()
         t0 = time.monotonic()
         for seq in range(50):                       # the coordinator is gone: sending never blocks
-            late.contribute(seq, {"weight": torch.zeros(1, 2)}, work_s=1.0)
+            late.contribute(seq, {"weight": torch.zeros(1, 2)}, work_total_s=1.0)
         assert time.monotonic() - t0 < 1.0
     finally:
         late.close()

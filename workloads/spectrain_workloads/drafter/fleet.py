@@ -10,9 +10,10 @@ batch. Frames are droppable: past the bandwidth cap or a slow receiver's queue t
 
 Weights (periodic model averaging with local progress kept, as in DiLoCo with an outer learning
 rate of 1): every `combine_every_s` each drafter sends its trainable parameters, tagged with a
-sequence number and the window work they contain, to the coordinator (the exporting rank). The
+sequence number and the window work since it started, to the coordinator (the exporting rank). The
 coordinator averages its own parameters with the latest contribution of every rank heard from
-since the last round, weighted by that work, into combined version v + 1, exports it, and sends
+since the last round, weighted by the work no earlier version holds, into combined version v + 1,
+exports it, and sends
 it to every rank. A
 drafter that receives version v keeps what it learnt after its contribution left:
     params <- combined_v + (params_now - params_at_send)
@@ -24,7 +25,9 @@ round goes on with whoever contributed, and the peer is taken back when it sends
 from __future__ import annotations
 
 import collections
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +71,8 @@ class Combined:
 class _Contribution:
     seq: int
     params: dict[str, torch.Tensor]
-    work_s: float
+    work_total_s: float               # the sender's window work since it started (cumulative)
+    incarnation: str = ""             # the sender process: a restarted drafter counts from 0 again
 
 
 @dataclass
@@ -102,6 +106,11 @@ class Fleet:
         self.inbox: collections.deque[tuple[torch.Tensor, torch.Tensor | None, int, int]] = collections.deque()
         self.inbox_bytes = 0
         self.contributions: dict[int, _Contribution] = {}
+        # coordinator: per rank, (incarnation, work total) already counted in a combined version. A
+        # contribution carries the sender's cumulative work, so one replaced in a send queue or
+        # overwritten by a newer one before a round loses no work: the newer total holds it.
+        self.credited: dict[int, tuple[str, float]] = {}
+        self.incarnation = f"{os.getpid()}-{time.monotonic_ns()}"
         self.combined_in: Combined | None = None       # the newest combined version not yet applied
         self.latest: Combined | None = None            # coordinator: the newest combined version
         self.links: dict[int, Link] = {}
@@ -167,11 +176,12 @@ class Fleet:
         if not self.is_coordinator:
             self._link(self.cfg.coordinator).send(Frame("hello", {"rank": self.cfg.rank}, b""), latest_only=True)
 
-    def contribute(self, seq: int, params: dict[str, torch.Tensor], work_s: float) -> None:
-        """This rank's parameters for the next round (the coordinator keeps its own in place)."""
+    def contribute(self, seq: int, params: dict[str, torch.Tensor], work_total_s: float) -> None:
+        """This rank's parameters for the next round, with its window work since it started (the
+        coordinator keeps its own in place)."""
         if self.is_coordinator:
             return
-        header = {"rank": self.cfg.rank, "seq": seq, "work_s": work_s}
+        header = {"rank": self.cfg.rank, "seq": seq, "work_total_s": work_total_s, "incarnation": self.incarnation}
         self._link(self.cfg.coordinator).send(Frame("contrib", header, _pack(params)), droppable=False,
                                               latest_only=True)
 
@@ -183,18 +193,29 @@ class Fleet:
         contributed or nobody worked."""
         with self.lock:
             round_, self.contributions = self.contributions, {}
-        parts = [_Contribution(own_seq, own, own_work_s), *round_.values()]
-        total = sum(p.work_s for p in parts)
+        work = {r: self._new_work(r, c) for r, c in round_.items()}      # seconds not yet in any version
+        total = own_work_s + sum(work.values())
         if not round_ or total <= 0:
+            if round_:   # nobody worked: the contributions wait for the next round, nothing is lost
+                with self.lock:
+                    self.contributions = {**round_, **self.contributions}
             return None
-        params = {n: torch.stack([(p.work_s / total) * p.params[n].to(own[n].device, torch.float32) for p in parts])
+        for r, c in round_.items():
+            self.credited[r] = (c.incarnation, c.work_total_s)
+        weights = [own_work_s / total, *(work[r] / total for r in round_)]
+        parts = [own, *(c.params for c in round_.values())]
+        params = {n: torch.stack([w * p[n].to(own[n].device, torch.float32) for w, p in zip(weights, parts, strict=True)])
                   .sum(0).to(own[n].dtype) for n in own}
         included = {self.cfg.rank: own_seq, **{r: c.seq for r, c in round_.items()}}
-        combined = Combined(version, params, included, total,
-                            {self.cfg.rank: own_work_s, **{r: c.work_s for r, c in round_.items()}})
+        combined = Combined(version, params, included, total, {self.cfg.rank: own_work_s, **work})
         self.latest = combined
         self._broadcast(combined, range(self.cfg.world))
         return combined
+
+    def _new_work(self, rank: int, c: _Contribution) -> float:
+        """The part of a contribution's cumulative work no combined version holds yet."""
+        incarnation, counted = self.credited.get(rank, ("", 0.0))
+        return c.work_total_s - counted if incarnation == c.incarnation else c.work_total_s
 
     def await_round(self, timeout_s: float) -> None:
         """Coordinator at shutdown: wait (at most `timeout_s`) for a contribution from every rank
@@ -226,7 +247,7 @@ class Fleet:
             with self.lock:
                 rank = int(f.header["rank"])
                 self.contributions[rank] = _Contribution(int(f.header["seq"]), _unpack(f.payload),
-                                                         float(f.header["work_s"]))
+                                                         float(f.header["work_total_s"]), str(f.header["incarnation"]))
                 self.members_seen.add(rank)
                 self.contributed.notify_all()
             self.stats.add(contributions_received=1)

@@ -57,6 +57,8 @@ class Replicas:
         self.fleet, self.rank, self.log = fleet, rank, log
         self.sync: ModelSync | None = None
         self.work_ns = 0                      # window work (train, optimizer steps) not yet contributed
+        self.work_total_s = 0.0               # window work contributed since this process started
+        self.own_uncombined_s = 0.0           # coordinator: its own work no combined version holds yet
         self.samples_at_contribution = 0
         self.pending: dict[int, tuple[float, int]] = {}    # contribution seq -> (work seconds, samples)
         self.version = 0                      # newest combined version applied
@@ -80,15 +82,18 @@ class Replicas:
         if force or time.monotonic() - self._last_round >= fleet.cfg.combine_every_s:
             self._last_round = time.monotonic()
             work_s, self.work_ns = self.work_ns / 1e9, 0
+            self.work_total_s += work_s
             seq, params = self.sync.contribution()
             self.pending[seq] = (work_s, samples_trained - self.samples_at_contribution)
             self.samples_at_contribution = samples_trained
             if fleet.is_coordinator:
-                made = fleet.combine(params, seq, work_s, next_version)
+                self.own_uncombined_s += work_s       # a round nobody else joined leaves it for the next
+                made = fleet.combine(params, seq, self.own_uncombined_s, next_version)
                 if made is not None:
+                    self.own_uncombined_s = 0.0
                     self._apply(made)
             else:
-                fleet.contribute(seq, params, work_s)
+                fleet.contribute(seq, params, self.work_total_s)
         c = fleet.take_combined()
         if c is not None and not fleet.is_coordinator and c.version > self.version:
             self._apply(c)

@@ -49,6 +49,9 @@ REMEASURE_AFTER_S, REMEASURE_MAX_S = 10.0, 300.0
 # window for this long after data arrived (policy Always, a target that never idles) it measures anyway.
 CALIBRATE_WAIT_S = 5.0
 WAIT_S = 0.05                    # longest block on the ring between housekeeping checks
+# Window events can arrive faster than WAIT_S (dozens per second on a pipeline): housekeeping
+# (the fleet's rounds, checkpoints, heartbeats) is put off for a window at most this long.
+HOUSEKEEPING_GAP_S = 0.25
 
 
 def _tensor(arr: np.ndarray, dtype: str | None) -> torch.Tensor:
@@ -122,9 +125,10 @@ class Worker:
                     # Sleep until a window event or data arrives (either can unblock work: a window
                     # opened with an empty buffer waits for the step's data, not for the next event).
                     events, data = self._wait_input(WAIT_S)
-                    if self.trainer is not None and (any(not e.is_end for e in events) or
-                                                     (data and self._could_start())):
-                        continue   # work may start now: straight to it, housekeeping later
+                    if (self.trainer is not None and (data or any(not e.is_end for e in events))
+                            and (self._could_start() or self._measure_due())
+                            and time.monotonic() - self._last.get("housekeeping", 0.0) < HOUSEKEEPING_GAP_S):
+                        continue   # work (or a measurement) may start now: straight to it, housekeeping later
                 self._drain_data()
                 self._housekeeping()
             return 0
@@ -205,13 +209,15 @@ class Worker:
 
     def _measure_due(self) -> bool:
         """Never measured, or idle with data for longer than the back-off (see REMEASURE_AFTER_S)."""
-        return not self.calibrated or (self.combiner.accumulated == 0
-                                       and time.monotonic() - self._last_work > self._remeasure_s)
+        return not self.calibrated or time.monotonic() - self._last_work > self._remeasure_s
 
     def _measure(self, trainer: DrafterTrainer) -> None:
         if self.calibrated:
             self._last_work, self._remeasure_s = time.monotonic(), min(2 * self._remeasure_s, REMEASURE_MAX_S)
             self.cost.forget()
+            if self.combiner.accumulated > 0:     # the measurement discards gradients: step on these first
+                trainer.optimizer_step(self.combiner.accumulated)
+                self.combiner.note_optimizer_step()
         self._calibrate(trainer, self.buffer.train[-1].length)
 
     def _measure_now(self) -> bool:
@@ -418,6 +424,7 @@ class Worker:
         return False
 
     def _housekeeping(self) -> None:
+        self._last["housekeeping"] = time.monotonic()
         now = time.monotonic_ns()
         for w in self.tracker.expire(now):
             self.metrics.window_lost(w.window_id)
