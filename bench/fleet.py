@@ -10,8 +10,9 @@ same number of target steps:
 - off:      no drafter (the target alone).
 
 ranks_training_fraction   drafters that trained (samplesTrained > 0) / drafters, combined runs
-samples_combined_ratio    samples whose training reached the exported model: combined (every rank's
-                          combinedSamples) / single (the exporting rank's samplesTrained)
+samples_combined_ratio    samples whose training reached the exported model: combined (the
+                          coordinator's exportSamplesByRank, all ranks) / single (the exporting
+                          rank's samplesTrained)
 acceptance_combined       expected accepted length (k=4) of each variant's export on held-out text
 acceptance_single         through the final target of that run (what a speculative decoder verifies)
 target_slowdown_ratio     median target step time, combined / off (drafters and exchange on vs off)
@@ -127,7 +128,9 @@ def main() -> None:
                       + (f", acceptance {r['acceptance']:.2f}" if "acceptance" in r else ""), flush=True)
     comb, single = results["combined"], results["single"]
     trained = [sum(s["samplesTrained"] > 0 for s in r["summaries"]) / 4 for r in comb]
-    reached_comb = [sum(s.get("combinedSamples", 0) for s in r["summaries"]) for r in comb]
+    # the coordinator's count (rank 3): it holds the members' last contributions, which reach the
+    # final export after the members stopped (their own combinedSamples cannot include those)
+    reached_comb = [sum(r["summaries"][3].get("exportSamplesByRank", {}).values()) for r in comb]
     reached_single = [r["summaries"][3]["samplesTrained"] for r in single]       # rank 3 exports
     keys = {
         "ranks_training_fraction": min(trained),

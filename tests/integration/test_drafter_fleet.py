@@ -76,9 +76,12 @@ def test_four_drafters_share_samples_combine_and_survive_a_sigkill(tmp_path: Pat
         def all_combined() -> bool:
             s = [_summary(p, r) for r, p in enumerate(pods)]
             rounds = pods[COORDINATOR].of_rank("combined", COORDINATOR)
+            exported = s[COORDINATOR].get("exportSamplesByRank", {})
             return (all(x.get("harvestedSeconds", 0) > 0 and x.get("combinedVersion", 0) >= 2 for x in s)
-                    and any(set(e["ranks"]) == {0, 1, 2, 3} for e in rounds))
-        _drive(targets, pods, all_combined, "every drafter trained, a round of all four, two versions applied")
+                    and any(set(e["ranks"]) == {0, 1, 2, 3} for e in rounds)
+                    and len(exported) == 4 and all(n > 0 for n in exported.values()))
+        _drive(targets, pods, all_combined, "every drafter trained, a round of all four, two versions applied, "
+               "every rank's samples in the coordinator's exports")
         s = [_summary(p, r) for r, p in enumerate(pods)]
         assert [x["fleetRole"] for x in s] == ["member"] * 3 + ["coordinator"]
         for r in (0, 2):            # first stages: no data of their own, the last stages' samples

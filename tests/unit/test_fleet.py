@@ -137,15 +137,16 @@ def test_work_in_a_replaced_contribution_is_not_lost_and_a_restart_counts_from_z
     member, coord = fleets
     w = {"weight": torch.zeros(1, 2)}
     try:
-        member.contribute(1, w, work_total_s=2.0)
-        member.contribute(2, w, work_total_s=5.0)       # before any round: replaces the first, holds its 2 s
+        member.contribute(1, w, work_total_s=2.0, samples_total=20)
+        member.contribute(2, w, work_total_s=5.0, samples_total=50)   # before any round: replaces the first, holds it
         wait_for(lambda: coord.contributions.get(0) is not None and coord.contributions[0].seq == 2, timeout=10)
-        c = coord.combine(w, 1, own_work_s=1.0, version=1)
-        assert c is not None and c.work_by_rank == {1: 1.0, 0: 5.0}
-        member.contribute(3, w, work_total_s=6.5)
+        c = coord.combine(w, 1, own_work_s=1.0, version=1, own_samples=10)
+        assert c is not None and c.work_by_rank == {1: 1.0, 0: 5.0} and c.samples_by_rank == {1: 10, 0: 50}
+        member.contribute(3, w, work_total_s=6.5, samples_total=65)
         wait_for(lambda: 0 in coord.contributions, timeout=10)
         c = coord.combine(w, 2, own_work_s=0.5, version=2)
         assert c is not None and c.work_by_rank == {1: 0.5, 0: 1.5}        # only what version 1 lacked
+        assert c.samples_by_rank == {1: 0, 0: 15}
         member.incarnation = "restarted"                   # as a new process of rank 0: its totals start again
         member.contribute(1, w, work_total_s=0.75)
         wait_for(lambda: 0 in coord.contributions, timeout=10)

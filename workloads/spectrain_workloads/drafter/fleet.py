@@ -65,6 +65,7 @@ class Combined:
     included: dict[int, int]           # rank -> sequence number of the contribution averaged in
     work_s: float                      # window work in this version, over every contribution
     work_by_rank: dict[int, float] = field(default_factory=dict)   # coordinator only: each rank's part
+    samples_by_rank: dict[int, int] = field(default_factory=dict)  # coordinator only: the samples of that work
 
 
 @dataclass
@@ -73,6 +74,7 @@ class _Contribution:
     params: dict[str, torch.Tensor]
     work_total_s: float               # the sender's window work since it started (cumulative)
     incarnation: str = ""             # the sender process: a restarted drafter counts from 0 again
+    samples_total: int = 0            # the samples that work trained on (cumulative)
 
 
 @dataclass
@@ -109,7 +111,7 @@ class Fleet:
         # coordinator: per rank, (incarnation, work total) already counted in a combined version. A
         # contribution carries the sender's cumulative work, so one replaced in a send queue or
         # overwritten by a newer one before a round loses no work: the newer total holds it.
-        self.credited: dict[int, tuple[str, float]] = {}
+        self.credited: dict[int, tuple[str, float, int]] = {}
         self.incarnation = f"{os.getpid()}-{time.monotonic_ns()}"
         self.combined_in: Combined | None = None       # the newest combined version not yet applied
         self.latest: Combined | None = None            # coordinator: the newest combined version
@@ -176,24 +178,26 @@ class Fleet:
         if not self.is_coordinator:
             self._link(self.cfg.coordinator).send(Frame("hello", {"rank": self.cfg.rank}, b""), latest_only=True)
 
-    def contribute(self, seq: int, params: dict[str, torch.Tensor], work_total_s: float) -> None:
-        """This rank's parameters for the next round, with its window work since it started (the
-        coordinator keeps its own in place)."""
+    def contribute(self, seq: int, params: dict[str, torch.Tensor], work_total_s: float, samples_total: int = 0) -> None:
+        """This rank's parameters for the next round, with its window work (and the samples it
+        trained on) since it started (the coordinator keeps its own in place)."""
         if self.is_coordinator:
             return
-        header = {"rank": self.cfg.rank, "seq": seq, "work_total_s": work_total_s, "incarnation": self.incarnation}
+        header = {"rank": self.cfg.rank, "seq": seq, "work_total_s": work_total_s, "samples_total": samples_total,
+                  "incarnation": self.incarnation}
         self._link(self.cfg.coordinator).send(Frame("contrib", header, _pack(params)), droppable=False,
                                               latest_only=True)
 
     def combine(self, own: dict[str, torch.Tensor], own_seq: int, own_work_s: float,
-                version: int) -> Combined | None:
+                version: int, own_samples: int = 0) -> Combined | None:
         """Coordinator: average its own parameters with every contribution of this round into
         `version`, weighted by the window work each holds (a rank that could not train does not
         dilute the others' progress), and send it to every rank. None when no other rank
         contributed or nobody worked."""
         with self.lock:
             round_, self.contributions = self.contributions, {}
-        work = {r: self._new_work(r, c) for r, c in round_.items()}      # seconds not yet in any version
+        new = {r: self._new_work(r, c) for r, c in round_.items()}      # not yet in any version
+        work = {r: w for r, (w, _) in new.items()}
         total = own_work_s + sum(work.values())
         if not round_ or total <= 0:
             if round_:   # nobody worked: the contributions wait for the next round, nothing is lost
@@ -201,21 +205,24 @@ class Fleet:
                     self.contributions = {**round_, **self.contributions}
             return None
         for r, c in round_.items():
-            self.credited[r] = (c.incarnation, c.work_total_s)
+            self.credited[r] = (c.incarnation, c.work_total_s, c.samples_total)
         weights = [own_work_s / total, *(work[r] / total for r in round_)]
         parts = [own, *(c.params for c in round_.values())]
         params = {n: torch.stack([w * p[n].to(own[n].device, torch.float32) for w, p in zip(weights, parts, strict=True)])
                   .sum(0).to(own[n].dtype) for n in own}
         included = {self.cfg.rank: own_seq, **{r: c.seq for r, c in round_.items()}}
-        combined = Combined(version, params, included, total, {self.cfg.rank: own_work_s, **work})
+        combined = Combined(version, params, included, total, {self.cfg.rank: own_work_s, **work},
+                            {self.cfg.rank: own_samples, **{r: n for r, (_, n) in new.items()}})
         self.latest = combined
         self._broadcast(combined, range(self.cfg.world))
         return combined
 
-    def _new_work(self, rank: int, c: _Contribution) -> float:
-        """The part of a contribution's cumulative work no combined version holds yet."""
-        incarnation, counted = self.credited.get(rank, ("", 0.0))
-        return c.work_total_s - counted if incarnation == c.incarnation else c.work_total_s
+    def _new_work(self, rank: int, c: _Contribution) -> tuple[float, int]:
+        """The part of a contribution's cumulative (work seconds, samples) no combined version holds yet."""
+        incarnation, work, samples = self.credited.get(rank, ("", 0.0, 0))
+        if incarnation != c.incarnation:
+            return c.work_total_s, c.samples_total
+        return c.work_total_s - work, c.samples_total - samples
 
     def await_round(self, timeout_s: float) -> None:
         """Coordinator at shutdown: wait (at most `timeout_s`) for a contribution from every rank
@@ -247,7 +254,8 @@ class Fleet:
             with self.lock:
                 rank = int(f.header["rank"])
                 self.contributions[rank] = _Contribution(int(f.header["seq"]), _unpack(f.payload),
-                                                         float(f.header["work_total_s"]), str(f.header["incarnation"]))
+                                                         float(f.header["work_total_s"]), str(f.header["incarnation"]),
+                                                         int(f.header.get("samples_total", 0)))
                 self.members_seen.add(rank)
                 self.contributed.notify_all()
             self.stats.add(contributions_received=1)

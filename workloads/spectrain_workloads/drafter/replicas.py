@@ -59,6 +59,9 @@ class Replicas:
         self.work_ns = 0                      # window work (train, optimizer steps) not yet contributed
         self.work_total_s = 0.0               # window work contributed since this process started
         self.own_uncombined_s = 0.0           # coordinator: its own work no combined version holds yet
+        self.own_uncombined_samples = 0
+        self.samples_total = 0                # samples of that work
+        self.export_samples_by_rank: dict[int, int] = {}   # coordinator: every rank's samples in the exports
         self.samples_at_contribution = 0
         self.pending: dict[int, tuple[float, int]] = {}    # contribution seq -> (work seconds, samples)
         self.version = 0                      # newest combined version applied
@@ -82,18 +85,21 @@ class Replicas:
         if force or time.monotonic() - self._last_round >= fleet.cfg.combine_every_s:
             self._last_round = time.monotonic()
             work_s, self.work_ns = self.work_ns / 1e9, 0
+            samples = samples_trained - self.samples_at_contribution
             self.work_total_s += work_s
+            self.samples_total += samples
             seq, params = self.sync.contribution()
-            self.pending[seq] = (work_s, samples_trained - self.samples_at_contribution)
+            self.pending[seq] = (work_s, samples)
             self.samples_at_contribution = samples_trained
             if fleet.is_coordinator:
                 self.own_uncombined_s += work_s       # a round nobody else joined leaves it for the next
-                made = fleet.combine(params, seq, self.own_uncombined_s, next_version)
+                self.own_uncombined_samples += samples
+                made = fleet.combine(params, seq, self.own_uncombined_s, next_version, self.own_uncombined_samples)
                 if made is not None:
-                    self.own_uncombined_s = 0.0
+                    self.own_uncombined_s, self.own_uncombined_samples = 0.0, 0
                     self._apply(made)
             else:
-                fleet.contribute(seq, params, self.work_total_s)
+                fleet.contribute(seq, params, self.work_total_s, self.samples_total)
         c = fleet.take_combined()
         if c is not None and not fleet.is_coordinator and c.version > self.version:
             self._apply(c)
@@ -121,6 +127,8 @@ class Replicas:
             self.samples += samples
         for r, w in c.work_by_rank.items():          # coordinator only: what reached the export, by rank
             self.export_work_by_rank[r] = self.export_work_by_rank.get(r, 0.0) + w
+        for r, n in c.samples_by_rank.items():
+            self.export_samples_by_rank[r] = self.export_samples_by_rank.get(r, 0) + n
         self.log("combined", version=c.version, ranks=sorted(c.included), work_s=c.work_s)
 
     def summary(self) -> dict[str, Any]:
@@ -128,6 +136,7 @@ class Replicas:
         return {"fleetRole": "coordinator" if self.fleet.is_coordinator else "member",
                 "combinedVersion": self.version, "combinedWorkSeconds": self.work_s, "combinedSamples": self.samples,
                 "exportWorkSecondsByRank": {str(r): w for r, w in sorted(self.export_work_by_rank.items())},
+                "exportSamplesByRank": {str(r): n for r, n in sorted(self.export_samples_by_rank.items())},
                 "samplesShared": st.get("samples_shared", 0), "samplesFromPeers": st.get("samples_received", 0),
                 "exchangeBytesSent": st.get("sent_bytes", 0), "exchangeBytesReceived": st.get("received_bytes", 0),
                 "exchangeFramesDropped": st.get("dropped", 0) + st.get("inbox_dropped", 0)}
