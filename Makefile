@@ -41,7 +41,7 @@ test-integration: $(STAMP) kube-binaries ## integration tier only
 test-e2e: $(STAMP) ## e2e against the cluster in KUBECONFIG
 	$(PY) -m pytest tests -m e2e --e2e $(PYTEST_ARGS)
 
-kube-binaries: ## build kube-apiserver/-controller-manager/-scheduler, etcd, kwok (scripts/kube/go.mod) once from the Go module proxy
+kube-binaries: ## build kube-apiserver/-controller-manager/-scheduler, etcd, kwok, Kueue (scripts/kube/) once from the Go module proxy
 	bash scripts/build-kube-current.sh
 
 kube-binaries-legacy: ## the old 1.20 tier from Debian source (~11 min), for SPECTRAIN_KUBE=1.20 and the below-range test
@@ -50,9 +50,10 @@ kube-binaries-legacy: ## the old 1.20 tier from Debian source (~11 min), for SPE
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check operator workloads tests bench scripts
 
-typecheck: $(STAMP) ## mypy on the operator, the ring, the contract and the drafter fleet
+typecheck: $(STAMP) ## mypy on the operator, the ring, the contract, the drafter fleet and the hooks API
 	$(VENV)/bin/mypy operator/spectrain_operator workloads/spectrain_workloads/ring \
 	  workloads/spectrain_workloads/{contract,config,runtime}.py workloads/spectrain_workloads/drafter/{fleet,links,replicas}.py
+	$(VENV)/bin/mypy --follow-imports=silent workloads/spectrain_workloads/hooks
 
 verify: $(STAMP) ## regenerate derived files (helm CRD copy, docs) and fail on a diff
 	$(PY) scripts/gen.py

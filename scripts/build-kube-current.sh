@@ -2,21 +2,25 @@
 # Build a current Kubernetes control plane from the Go module proxy and cache it:
 # kube-apiserver, kube-controller-manager, kube-scheduler (k8s.io/kubernetes), etcd
 # (go.etcd.io/etcd/server/v3, the version that Kubernetes release requires) and kwok
-# (sigs.k8s.io/kwok, fake nodes and pod lifecycles). Idempotent: exits at once when the binaries
-# of the pinned versions are cached.
+# (sigs.k8s.io/kwok, fake nodes and pod lifecycles); Kueue's manager (sigs.k8s.io/kueue cmd/kueue)
+# with the CRDs and webhook manifests of the same module. Idempotent: exits at once when the
+# binaries of the pinned versions are cached.
 #
 # The versions live in the build modules, nowhere else:
 #   scripts/kube/go.mod       k8s.io/kubernetes (each staging module replaced by its published
 #                             v0.Y.Z) and go.etcd.io/etcd/server/v3; go.sum committed
 #   scripts/kube/kwok/go.mod  sigs.k8s.io/kwok, in its own module: kwok is built with the k8s.io
 #                             library versions of its own release
+#   scripts/kube/kueue/go.mod sigs.k8s.io/kueue, in its own module for the same reason
 # Binaries land in $KUBE_CURRENT_CACHE/kube-<kubernetes version>/bin (default
 # ~/.cache/spectrain/kube-vX.Y.Z/bin) with a stamp naming the versions and the build modules'
-# checksum: a change to either module rebuilds. The Go module and build caches are Go's own
+# checksum: a change to either module rebuilds. Kueue lands in $KUBE_CURRENT_CACHE/kueue-<version>/
+# (bin/kueue, crds.yaml, webhooks.yaml) with a stamp of its own: a Kueue bump rebuilds only Kueue. The Go module and build caches are Go's own
 # (go env GOMODCACHE / GOCACHE).
 #
 #   scripts/build-kube-current.sh                 build (or report the cached binaries)
 #   scripts/build-kube-current.sh --print-bin     print the bin directory and exit (tests use it)
+#   scripts/build-kube-current.sh --print-kueue   print Kueue's directory and exit
 #   scripts/build-kube-current.sh --regen vX.Y.Z  rewrite scripts/kube/go.mod for another
 #                                                 k8s.io/kubernetes release, go mod tidy, then build
 #
@@ -26,6 +30,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 MOD="$ROOT/scripts/kube"
 KWOK_MOD="$MOD/kwok"
+KUEUE_MOD="$MOD/kueue"
 CACHE="${KUBE_CURRENT_CACHE:-$HOME/.cache/spectrain}"
 # Bump when the way the binaries are built changes (flags, ldflags): cached binaries are rebuilt.
 BUILD_LEVEL=1
@@ -42,6 +47,7 @@ mode=build
 case "${1:-}" in
   "") ;;
   --print-bin) mode=print ;;
+  --print-kueue) mode=print-kueue ;;
   --regen) mode=regen; REGEN_VERSION="${2:-}"; [[ "$REGEN_VERSION" =~ ^v1\.[0-9]+\.[0-9]+$ ]] \
              || die "--regen needs a release version like v1.37.2" ;;
   -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
@@ -50,8 +56,14 @@ esac
 
 KUBE_VERSION=$(modver "$MOD/go.mod" k8s.io/kubernetes)
 [[ -n "$KUBE_VERSION" ]] || die "no k8s.io/kubernetes requirement in $MOD/go.mod"
+KUEUE_VERSION=$(modver "$KUEUE_MOD/go.mod" sigs.k8s.io/kueue)
+[[ -n "$KUEUE_VERSION" ]] || die "no sigs.k8s.io/kueue requirement in $KUEUE_MOD/go.mod"
+KUEUE_DIR="$CACHE/kueue-$KUEUE_VERSION"
 if [[ $mode == print ]]; then
   echo "$CACHE/kube-$KUBE_VERSION/bin"
+  exit 0
+elif [[ $mode == print-kueue ]]; then
+  echo "$KUEUE_DIR"
   exit 0
 fi
 
@@ -128,15 +140,17 @@ write_stages() {
   } > "$BIN/kwok-stages.yaml.tmp" && mv -f "$BIN/kwok-stages.yaml.tmp" "$BIN/kwok-stages.yaml"
 }
 
+build_kube() {
 if have_all; then
   if [[ ! -s "$BIN/kwok-stages.yaml" ]]; then
     (cd "$KWOK_MOD" && "$GO" mod download) || proxy_error "go mod download in scripts/kube/kwok"
     write_stages
   fi
   log "cached: $BIN ($STAMP; delete $BIN/.stamp to rebuild)"
-  exit 0
+  return 0
 fi
 
+local t0 got etcd_says t
 t0=$(date +%s)
 log "building $STAMP with $("$GO" env GOVERSION) into $BIN"
 
@@ -154,7 +168,7 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 done
 OUT="$BIN/.build.$$"
 rm -rf "$OUT"; mkdir -p "$OUT"
-trap 'rm -rf "$OUT"' EXIT
+trap 'rm -rf "${OUT:-}"' EXIT
 log "go build kube-apiserver kube-controller-manager kube-scheduler etcd (about 13 min cold on 2 cores, 30 s with a warm Go build cache)"
 (cd "$MOD" && CGO_ENABLED=0 "$GO" build -trimpath -ldflags "$LDFLAGS" -o "$OUT/" \
    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
@@ -174,3 +188,48 @@ for t in "${TARGETS[@]}"; do mv -f "$OUT/$t" "$BIN/$t"; done
 write_stages
 echo "$STAMP" > "$BIN/.stamp.tmp" && mv -f "$BIN/.stamp.tmp" "$BIN/.stamp"
 log "done in $(( $(date +%s) - t0 )) s: $BIN ($got, etcd $ETCD_VERSION, kwok $KWOK_VERSION)"
+}
+
+# --- Kueue ----------------------------------------------------------------------------------------
+# The manager (cmd/kueue) and, from the same module, what a cluster installs with it: the CRDs
+# (config/components/crd/bases) and the webhook configurations (config/components/webhook/
+# manifests.yaml; the tests point them at the manager on 127.0.0.1). Its own stamp and directory:
+# a Kueue bump rebuilds Kueue only.
+KUEUE_SUM=$(cat "$KUEUE_MOD/go.mod" "$KUEUE_MOD/go.sum" | sha256sum | cut -c1-16)
+KUEUE_STAMP="kueue=$KUEUE_VERSION modules=$KUEUE_SUM level=$BUILD_LEVEL"
+
+build_kueue() {
+  if [[ -x "$KUEUE_DIR/bin/kueue" && -s "$KUEUE_DIR/crds.yaml" && -s "$KUEUE_DIR/webhooks.yaml" \
+        && "$(cat "$KUEUE_DIR/.stamp" 2>/dev/null)" == "$KUEUE_STAMP" ]]; then
+    log "cached: $KUEUE_DIR ($KUEUE_STAMP; delete $KUEUE_DIR/.stamp to rebuild)"
+    return 0
+  fi
+  local t0 src f
+  t0=$(date +%s)
+  log "building $KUEUE_STAMP with $("$GO" env GOVERSION) into $KUEUE_DIR"
+  (cd "$KUEUE_MOD" && "$GO" mod download) || proxy_error "go mod download in scripts/kube/kueue"
+  src=$(cd "$KUEUE_MOD" && "$GO" list -m -f '{{.Dir}}' sigs.k8s.io/kueue) || proxy_error "go list -m sigs.k8s.io/kueue"
+  OUT="$KUEUE_DIR/.build.$$"
+  rm -rf "$OUT"; mkdir -p "$OUT/bin"
+  log "go build kueue (about 8 min cold on 2 cores, seconds with a warm Go build cache)"
+  (cd "$KUEUE_MOD" && CGO_ENABLED=0 "$GO" build -trimpath \
+     -ldflags "-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION" \
+     -o "$OUT/bin/kueue" sigs.k8s.io/kueue/cmd/kueue) || die "go build in scripts/kube/kueue failed (see above)"
+  "$OUT/bin/kueue" --help >/dev/null 2>&1 || die "the built kueue does not run"
+  for f in "$src"/config/components/crd/bases/*.yaml; do
+    printf -- '---\n# %s\n' "${f##*/}"; grep -v '^---$' "$f"
+  done > "$OUT/crds.yaml"
+  grep -q 'kind: CustomResourceDefinition' "$OUT/crds.yaml" || die "no CRDs under $src/config/components/crd/bases"
+  cp "$src/config/components/webhook/manifests.yaml" "$OUT/webhooks.yaml" \
+    || die "Kueue $KUEUE_VERSION has no config/components/webhook/manifests.yaml"
+  chmod -R u+w "$OUT"  # files copied out of the module cache are read-only
+  mkdir -p "$KUEUE_DIR"
+  rm -rf "$KUEUE_DIR/bin"
+  mv -f "$OUT/bin" "$OUT/crds.yaml" "$OUT/webhooks.yaml" "$KUEUE_DIR/"
+  rm -rf "$OUT"
+  echo "$KUEUE_STAMP" > "$KUEUE_DIR/.stamp.tmp" && mv -f "$KUEUE_DIR/.stamp.tmp" "$KUEUE_DIR/.stamp"
+  log "done in $(( $(date +%s) - t0 )) s: $KUEUE_DIR (kueue $KUEUE_VERSION)"
+}
+
+build_kube
+build_kueue

@@ -29,7 +29,7 @@ QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numk
 # so a 1.20 apiserver enforces it too; the CEL rule carries the message).
 REL_PATH_SEGMENT = r"([^/.][^/]*|\.|\.[^./][^/]*|\.\.[^/]+)"
 REL_PATH_PATTERN = rf"^{REL_PATH_SEGMENT}(/{REL_PATH_SEGMENT})*$"
-CONDITION_TYPES = ["Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed",
+CONDITION_TYPES = ["Created", "Queued", "Running", "Restarting", "Suspended", "Succeeded", "Failed",
                    "DrafterActive", "DrafterDegraded", "SpecInvalid", "CheckpointEphemeral"]
 
 
@@ -336,22 +336,6 @@ def status_schema() -> dict[str, Any]:
                          "means someone deleted it)."),
         "drafterDisabled": b("The drafter was turned off (RestartWithoutDrafter or too many failures)."),
         "drafterFailures": i("Most drafter failures seen on one rank.", minimum=0),
-        "admittedScheduling": a(
-            "What a Kueue admission added to the pods of each node (the ResourceFlavor's node "
-            "selectors and tolerations, beyond spec.scheduling); carried over when the operator "
-            "recreates the pods (restarts), forgotten on suspend (a new admission follows).",
-            o("Additions Kueue made to one node's pod.", {
-                "node": i("Node index of the pod.", minimum=0),
-                "nodeSelector": o("Node selector entries Kueue added.",
-                                  additionalProperties=s("A label value.", maxLength=63)),
-                "tolerations": a("Tolerations Kueue added.", o("A toleration.", {
-                    "key": s("Taint key.", maxLength=317),
-                    "operator": s("Exists or Equal.", maxLength=16),
-                    "value": s("Taint value.", maxLength=63),
-                    "effect": s("Taint effect.", maxLength=32),
-                    "tolerationSeconds": i("For NoExecute: how long the pod stays bound."),
-                }), maxItems=64),
-            }, required=["node"]), maxItems=1024),
         "lastFailure": s("Last target failure, one line.", maxLength=32768),
         "startTime": s("When the pods of this run were first created.", format="date-time", nullable=True),
         "completionTime": s("When the job reached Succeeded or Failed.", format="date-time", nullable=True),

@@ -61,11 +61,32 @@ def status_account_name(job: Obj) -> str:
 
 
 def pod_name(job: Obj, node: int) -> str:
+    """The rank's name: its pod's hostname (peers address it as <pod_name>.<service>), and the
+    pod's name except for a Kueue-queued job's odd restart generations (`pod_object_name`)."""
     return f"{job['metadata']['name']}-{node}"
 
 
+def pod_object_name(job: Obj, node: int, generation: int = 0) -> str:
+    """metadata.name of the pod of `node` in restart `generation`.
+
+    A Kueue-queued job (scheduling.kueue_queue) alternates between `<job>-<node>` (even
+    generations) and `<job>-<node>-r` (odd): Kueue's plain-pod-group integration keeps a pod that
+    ended (its `kueue.x-k8s.io/managed` finalizer) until a replacement pod of the group exists, so a
+    replacement cannot reuse the old pod's name. The pod two generations back is gone by then (Kueue
+    finalizes replaced pods), so two names suffice and the status Role can list them all.
+    """
+    from spectrain_operator import scheduling
+
+    base = pod_name(job, node)
+    return f"{base}-r" if generation % 2 and scheduling.kueue_queue(job) else base
+
+
 def pod_names(job: Obj) -> list[str]:
-    return [pod_name(job, n) for n in range(int(job["spec"]["target"]["nodes"]))]
+    """Every name a pod of the job can have (the status Role allows patching exactly these)."""
+    from spectrain_operator import scheduling
+
+    nodes = range(int(job["spec"]["target"]["nodes"]))
+    return [pod_object_name(job, n, g) for g in ((0, 1) if scheduling.kueue_queue(job) else (0,)) for n in nodes]
 
 
 def selector(job: Obj) -> str:
@@ -228,7 +249,7 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
     labels = {LABEL_NODE: str(node), LABEL_GENERATION: str(generation)}
     manifest: Obj = {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": _meta(job, pod_name(job, node), labels),
+        "metadata": _meta(job, pod_object_name(job, node, generation), labels),
         "spec": {
             "restartPolicy": "Never",
             "hostname": pod_name(job, node),
@@ -279,7 +300,7 @@ def render(job: Obj, *, generation: int = 0, drafter_disabled: bool = False) -> 
     return [*children(job), *extras, *pod_list]
 
 
-# Names the other modules use (local backend, scheduling.merge_admitted's recipe).
+# Names the other modules use (the local backend, the tests).
 def build_children(job: Obj, **kw: Any) -> list[Obj]:
     """Alias of render: every object for the job, pods last."""
     return render(job, **kw)

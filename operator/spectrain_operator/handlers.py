@@ -115,7 +115,7 @@ def job_event(type: str | None, body: Mapping[str, Any], namespace: str | None, 
         return
     if type == "DELETED":
         if "reconciler" in _state:
-            reconciler().forget(namespace, name)
+            reconciler().handle_deleted(namespace, name, dict(body))
         return
     if needs_pass(type, body):
         # A new job's own event is as fresh as a read (see Reconciler.trigger): one GET less per job.

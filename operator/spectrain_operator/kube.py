@@ -204,6 +204,11 @@ class Kube:
     def delete_pod(self, namespace: str, name: str) -> None:
         self.delete(_CORE, "Pod", namespace, name)
 
+    def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
+        """Merge-patch the pod's annotations (a pod already gone is fine: 404 is None)."""
+        self.request("PATCH", path_for(_CORE, "Pod", namespace, name),
+                     body={"metadata": {"annotations": annotations}}, content_type="application/merge-patch+json")
+
     def delete_job(self, namespace: str, name: str) -> None:
         self.delete(specmod.API_VERSION, specmod.KIND, namespace, name)
 

@@ -267,11 +267,30 @@ class Reconciler:
         # namespace: for a burst of new jobs, the most expensive request of their first pass.)
         pods = [] if fresh is not None else self.kube.list_pods(namespace, builders.selector(job))
         plan = statusmod.decide(job, pods, now)
-        self._track_admission(job, pods, plan)
         if plan.create_nodes:
             plan = self._create(job, pods, now, plan)
         self._execute(job, plan)
+        if plan.status.get("phase") == "Failed":  # no more pods: let Kueue finish the pod group
+            self._release_kueue(namespace, pods)
         return plan
+
+    def handle_deleted(self, namespace: str, name: str, job: Obj) -> None:
+        """`deleted`, for the kopf handler: an error is logged, nothing raises."""
+        try:
+            self.deleted(namespace, name, job)
+        except Exception:
+            log.exception("cleanup of deleted job %s/%s failed", namespace, name)
+
+    def deleted(self, namespace: str, name: str, job: Obj) -> None:
+        """The job is gone (its DELETED event): forget it; if Kueue queued it, let Kueue finish
+        its pod group (the garbage collector deletes the pods; Kueue would keep them)."""
+        self.forget(namespace, name)
+        if scheduling.kueue_queue(job):
+            self._release_kueue(namespace, self.kube.list_pods(namespace, builders.selector(job)))
+
+    def _release_kueue(self, namespace: str, pods: list[Obj]) -> None:
+        for pod_name in scheduling.kueue_release(pods):
+            self.kube.annotate_pod(namespace, pod_name, {scheduling.KUEUE_RETRIABLE_ANNOTATION: "false"})
 
     def _create(self, job: Obj, pods: list[Obj], now: datetime, plan: statusmod.Plan) -> statusmod.Plan:
         ns = job["metadata"]["namespace"]
@@ -284,9 +303,6 @@ class Reconciler:
         try:
             pod_objs, extras = builders.pods(job, generation=plan.generation, drafter_disabled=plan.drafter_disabled,
                                              nodes=plan.create_nodes)
-            admitted = _admitted_by_node(plan.status.get("admittedScheduling"))
-            pod_objs = [scheduling.merge_admitted(p, {"spec": admitted[n]}) if n in admitted else p
-                        for n, p in zip(plan.create_nodes, pod_objs, strict=True)]
             # Everything but the pods first (the ServiceAccount must exist before a pod naming it
             # is admitted), then the pods; within each group, order does not matter.
             self._create_all([*builders.children(job), *extras])
@@ -306,50 +322,6 @@ class Reconciler:
         rejected = [e for e in errors if isinstance(e, RejectedError)]
         if rejected or errors:
             raise (rejected or errors)[0]
-
-    def _track_admission(self, job: Obj, pods: list[Obj], plan: statusmod.Plan) -> None:
-        """Remember what a Kueue admission added to the job's pods (`status.admittedScheduling`).
-
-        Kueue's plain-pod integration (the job's pods carry its queue-name label, see
-        scheduling.apply) adds the admitted ResourceFlavor's node selectors and tolerations to each
-        pod when it ungates it. Pods are recreated on every restart, built from the spec, and the
-        old pods are gone by then (and the operator may have restarted meanwhile): so every pass
-        records, per node, what the live pod has beyond what the builder gives it, and `_create`
-        passes the record through `scheduling.merge_admitted`. A node without a live pod keeps its
-        record; suspend forgets everything (Kueue admits the job anew on resume, maybe elsewhere).
-        """
-        st = plan.status
-        labels = (job.get("metadata") or {}).get("labels") or {}
-        old = _admitted_by_node((job.get("status") or {}).get("admittedScheduling")
-                                if isinstance(job.get("status"), dict) else None)
-        if not labels.get(scheduling.KUEUE_QUEUE_LABEL) or st.get("phase") == "Suspended":
-            st.pop("admittedScheduling", None)
-            return
-        nodes = int(job["spec"]["target"]["nodes"])
-        live: dict[int, Obj] = {}
-        for pod in pods:
-            node = statusmod.pod_node(pod)
-            if node is None or not 0 <= node < nodes or (pod.get("metadata") or {}).get("deletionTimestamp"):
-                continue
-            if node not in live or (statusmod.pod_generation(pod) or 0) > (statusmod.pod_generation(live[node]) or 0):
-                live[node] = pod
-        record = {n: v for n, v in old.items() if 0 <= n < nodes}
-        if live:
-            try:
-                built = builders.build_pod(job, 0)
-            except ValueError:  # a builder refusal: _create reports it
-                built = None
-            if built is not None:
-                for node, pod in live.items():
-                    added = _added(built, pod)
-                    if added:
-                        record[node] = added
-                    else:
-                        record.pop(node, None)
-        if record:
-            st["admittedScheduling"] = [{"node": n, **record[n]} for n in sorted(record)]
-        else:
-            st.pop("admittedScheduling", None)
 
     def _finish_invalid(self, job: Obj, errors: list[str]) -> statusmod.Plan | None:
         """A spec that is not even structurally usable for decide(): report it and stop."""
@@ -393,47 +365,6 @@ class Reconciler:
         for event in events:
             log.info("%s/%s %s: %s", meta["namespace"], meta["name"], event.reason, event.message[:200])
             self.kube.post_event(job, event)
-
-
-def _added(built: Obj, pod: Obj) -> Obj:
-    """What `pod` has beyond the freshly `built` pod, as scheduling.merge_admitted would keep it."""
-    merged = scheduling.merge_admitted(built, pod)["spec"]
-    own = built.get("spec") or {}
-    selector = {k: v for k, v in (merged.get("nodeSelector") or {}).items()
-                if k not in (own.get("nodeSelector") or {}) and isinstance(v, str)}
-    tolerations = [t for t in (merged.get("tolerations") or [])[len(own.get("tolerations") or []):]
-                   if isinstance(t, dict)]
-    out: Obj = {}
-    if selector:
-        out["nodeSelector"] = selector
-    if tolerations:
-        out["tolerations"] = tolerations
-    return out
-
-
-def _admitted_by_node(value: Any) -> dict[int, Obj]:
-    """status.admittedScheduling parsed defensively: node -> {nodeSelector, tolerations}."""
-    out: dict[int, Obj] = {}
-    for item in value if isinstance(value, list) else []:
-        if not isinstance(item, dict):
-            continue
-        node = item.get("node")
-        if not isinstance(node, int) or isinstance(node, bool) or node < 0:
-            continue
-        selector = item.get("nodeSelector")
-        tolerations = item.get("tolerations")
-        entry: Obj = {}
-        if isinstance(selector, dict):
-            clean = {k: v for k, v in selector.items() if isinstance(k, str) and isinstance(v, str)}
-            if clean:
-                entry["nodeSelector"] = clean
-        if isinstance(tolerations, list):
-            clean_t = [t for t in tolerations if isinstance(t, dict)]
-            if clean_t:
-                entry["tolerations"] = clean_t
-        if entry:
-            out[node] = entry
-    return out
 
 
 def _pruned(value: Any) -> Any:

@@ -6,12 +6,15 @@ PodGroup for gang scheduling, the same object for every pod of the job: create i
 - ``schedulerName``, ``priorityClassName``: copied when set.
 - ``nodeSelector``: merged into the pod's (the job's value wins on a key both set).
 - ``tolerations``: appended, without duplicates.
-- Kueue: a ``kueue.x-k8s.io/queue-name`` label on the SpecTrainJob is passed through to its pods,
-  together with Kueue's plain-pod group keys (label ``kueue.x-k8s.io/pod-group-name=<job>``,
+- Kueue: a ``kueue.x-k8s.io/queue-name`` label on the SpecTrainJob is passed through to its pods
+  (with its ``kueue.x-k8s.io/priority-class`` label: Kueue reads a pod group's priority from the
+  pods), together with Kueue's plain-pod group keys (label ``kueue.x-k8s.io/pod-group-name=<job>``,
   annotation ``kueue.x-k8s.io/pod-group-total-count=<nodes>``) so Kueue admits the job's pods as
   one workload, all or none. Kueue gates each pod, and on admission adds the ResourceFlavor's
-  node selectors / tolerations to the pod. When the operator recreates a pod (RestartJob), it
-  must keep those: see `merge_admitted`.
+  node selectors to it; it does so for replacement pods too, which must therefore be built from
+  the spec alone (Kueue matches them to the admitted pod set by a hash of the spec).
+  `kueue_release` names the pods to mark finished for Kueue once no more are created
+  (docs/design.md, "Kueue").
 - Gang (``scheduling.gang.provider``):
   ``SchedulerPlugins``: a ``scheduling.x-k8s.io/v1alpha1`` PodGroup ``<job>`` with
   ``minMember = nodes`` and the pod label ``scheduling.x-k8s.io/pod-group=<job>`` (the
@@ -32,18 +35,17 @@ from spectrain_operator.objects import get as _get
 GANG_PROVIDERS = ("None", "SchedulerPlugins", "Volcano")
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
 KUEUE_GROUP_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
 KUEUE_SCHEDULING_GATE = "kueue.x-k8s.io/admission"
+KUEUE_FINALIZER = "kueue.x-k8s.io/managed"
+KUEUE_RETRIABLE_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
 SP_POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 SP_API_VERSION = "scheduling.x-k8s.io/v1alpha1"
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 VOLCANO_API_VERSION = "scheduling.volcano.sh/v1beta1"
 VOLCANO_SCHEDULER = "volcano"
-
-# Tolerations the API server adds to every pod (DefaultTolerationSeconds admission): never
-# "admission-added" in the Kueue sense, so merge_admitted does not carry them over.
-_DEFAULT_TOLERATION_KEYS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
 
 
 class SchedulingError(ValueError):
@@ -90,6 +92,11 @@ def pod_group(job: dict) -> dict | None:
     }
 
 
+def kueue_queue(job: dict) -> str:
+    """The LocalQueue a job is queued in (its ``kueue.x-k8s.io/queue-name`` label), or ""."""
+    return str(_get(job, "metadata", "labels", KUEUE_QUEUE_LABEL, default="") or "")
+
+
 def _toleration_key(t: dict) -> tuple:
     return tuple(sorted((k, str(v)) for k, v in t.items()))
 
@@ -126,10 +133,13 @@ def apply(pod: dict, job: dict) -> list[dict]:
     if tolerations:
         _merge_tolerations(spec.setdefault("tolerations", []), tolerations)
 
-    queue = _get(job, "metadata", "labels", KUEUE_QUEUE_LABEL, default="")
+    queue = kueue_queue(job)
     if queue:
         labels = meta.setdefault("labels", {})
         labels[KUEUE_QUEUE_LABEL] = queue
+        priority = _get(job, "metadata", "labels", KUEUE_PRIORITY_LABEL, default="")
+        if priority:  # Kueue reads a pod group's WorkloadPriorityClass from its pods' labels
+            labels[KUEUE_PRIORITY_LABEL] = priority
         labels[KUEUE_GROUP_LABEL] = name
         meta.setdefault("annotations", {})[KUEUE_GROUP_COUNT_ANNOTATION] = str(_nodes(job))
 
@@ -148,35 +158,16 @@ def apply(pod: dict, job: dict) -> list[dict]:
     return [group] if group is not None else []
 
 
-def merge_admitted(pod: dict, existing: dict) -> dict:
-    """A copy of the freshly built `pod` that keeps what a Kueue admission added to `existing`.
+def kueue_release(pods: list[dict]) -> list[str]:
+    """Pods to annotate ``kueue.x-k8s.io/retriable-in-group: "false"`` once the operator creates
+    no more pods for the job (it Failed, or it was deleted).
 
-    Kueue (plain-pod integration) injects the admitted ResourceFlavor's nodeSelector entries and
-    tolerations into each pod when it removes the ``kueue.x-k8s.io/admission`` scheduling gate.
-    Pod specs are immutable, so the operator never patches them; but when it recreates a pod
-    (RestartJob, RestartWithoutDrafter, a pod lost with its node) it builds the replacement from
-    the spec, which would drop the flavor. How to use:
-
-        new = builders.build_pod(job, node)          # gpu_sharing.apply + scheduling.apply ran
-        old = <the pod being replaced, read before deleting it> (or None)
-        if old is not None:
-            new = scheduling.merge_admitted(new, old)
-        create(new)
-
-    Kept: every nodeSelector key of `existing` that `pod` does not set itself (the builder wins a
-    conflict: the job's own selectors are the user's intent), and every toleration of `existing`
-    not already present, except the API server's default not-ready / unreachable tolerations.
-    Not kept: schedulingGates (Kueue's webhook gates the new pod again), nodeName, status.
-    `pod` is not mutated.
+    Kueue keeps every pod of a plain pod group that ended (its ``kueue.x-k8s.io/managed``
+    finalizer) and the group's Workload admitted, holding its quota, until replacement pods
+    arrive, all pods succeeded, or a pod carries that annotation: a failed or deleted job's pods
+    would otherwise stay Terminating and its quota stay taken for good. Every pod Kueue still
+    holds gets it (a single pod would do, but it may be the one Kueue finalizes first).
     """
-    out = copy.deepcopy(pod)
-    old_spec = existing.get("spec") or {}
-    spec = out.setdefault("spec", {})
-    old_selector = old_spec.get("nodeSelector") or {}
-    if old_selector:
-        spec["nodeSelector"] = {**old_selector, **(spec.get("nodeSelector") or {})}
-    extra = [t for t in (old_spec.get("tolerations") or [])
-             if t.get("key") not in _DEFAULT_TOLERATION_KEYS]
-    if extra:
-        _merge_tolerations(spec.setdefault("tolerations", []), extra)
-    return out
+    return [p["metadata"]["name"] for p in pods
+            if KUEUE_FINALIZER in ((p.get("metadata") or {}).get("finalizers") or [])
+            and ((p.get("metadata") or {}).get("annotations") or {}).get(KUEUE_RETRIABLE_ANNOTATION) != "false"]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from spectrain_operator import builders, faults
+from spectrain_operator import builders, faults, scheduling
 from spectrain_workloads.contract import PHASES
 
 Obj = dict[str, Any]
@@ -131,6 +131,29 @@ def pod_scheduled(pod: Obj) -> bool:
         return True
     return any(isinstance(c, dict) and c.get("type") == "PodScheduled" and c.get("status") == "True"
                for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+# Pod conditions that say who ended a pod and why: Kubernetes' own (scheduler preemption, taint
+# manager, eviction API, kubelet) and Kueue's (a pod group preempted or its Workload evicted).
+EVICTION_CONDITIONS = ("DisruptionTarget", "TerminationTarget")
+
+
+def _eviction(pods: list[Obj], nodes: list[int], generation: int) -> tuple[str, str] | None:
+    """(reason, message) of the eviction condition on a deleted pod of `nodes` in `generation`."""
+    for pod in pods:
+        if pod_node(pod) not in nodes or pod_generation(pod) != generation:
+            continue
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if isinstance(c, dict) and c.get("type") in EVICTION_CONDITIONS and c.get("status") == "True":
+                return str(c.get("reason") or c["type"])[:128], str(c.get("message") or "")[:1000]
+    return None
+
+
+def _still_running(pod: Obj) -> bool:
+    """Bound to a node and not terminated: its containers may still run (a deleted pod's kubelet
+    marks it Failed or Succeeded before it goes; an unbound deleted pod never runs)."""
+    return bool((pod.get("spec") or {}).get("nodeName")) and \
+        (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
 
 
 def pod_generation(pod: Obj) -> int | None:
@@ -268,6 +291,10 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
                and (n := pod_node(p)) is not None and 0 <= n < nodes}
     stale = [p["metadata"]["name"] for p in live if p not in current.values()]
     names_in_use = {p["metadata"]["name"] for p in pods}
+    # Nodes whose pod of an earlier generation still runs (bound, not terminated; deleted or not):
+    # the replacement waits for it, so two pods of one rank never run at once (the same name does
+    # that too, except for Kueue jobs, whose names alternate: builders.pod_object_name).
+    busy = {n for p in pods if (n := pod_node(p)) is not None and _still_running(p)}
     phase: str
     reason: str
     message: str
@@ -341,7 +368,8 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
     else:
         if conds.is_true("Suspended"):
             conds.set("Suspended", False, "Resumed", "spec.suspend is false: pods recreated from the last checkpoint")
-        phase, reason, message = _run(job, st, conds, plan, current, stale, names_in_use, now, restart, finish)
+        phase, reason, message = _run(job, st, conds, plan, current, stale, pods, names_in_use, busy, now, restart,
+                                      finish)
 
     # drafter failures (never fail the job)
     drafter_enabled = bool(spec["drafter"]["enabled"])
@@ -357,6 +385,12 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
             conds.set("DrafterDegraded", True, "TooManyFailures", text)
             plan.events.append(Event("Warning", "DrafterDegraded", text))
     plan.drafter_disabled = st["drafterDisabled"]
+
+    # Kueue holds the pods (its admission gate) until it admits the pod group
+    if phase not in TERMINAL and any(scheduling.KUEUE_SCHEDULING_GATE in _gates(p) for p in current.values()):
+        conds.set("Queued", True, "WaitingForKueue", _queued_message(job))
+    elif current:
+        conds.clear("Queued", "Admitted", "Kueue admitted the pod group")
 
     # summaries, conditions, ranks
     degraded = conds.is_true("DrafterDegraded")
@@ -406,7 +440,8 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
 
 
 def _run(job: Obj, st: Obj, conds: Conditions, plan: Plan, current: dict[int, Obj], stale: list[str],
-         names_in_use: set[str], now: datetime, restart: Any, finish: Any) -> tuple[str, str, str]:
+         pods: list[Obj], names_in_use: set[str], busy: set[int], now: datetime, restart: Any,
+         finish: Any) -> tuple[str, str, str]:
     """The job is neither invalid, finished, past its deadline nor suspended."""
     spec = job["spec"]
     nodes = int(spec["target"]["nodes"])
@@ -459,12 +494,19 @@ def _run(job: Obj, st: Obj, conds: Conditions, plan: Plan, current: dict[int, Ob
     missing = [n for n in range(nodes) if n not in current]
     if missing and st["podsCreated"]:
         names = ", ".join(builders.pod_name(job, n) for n in missing)
-        result = restart("PodDeleted", f"pod(s) {names} disappeared (deleted or evicted)", False, immediate=True)
+        evicted = _eviction(pods, missing, st["restartGeneration"])
+        if evicted is not None:  # Kueue preempted the pod group, the scheduler or the kubelet evicted
+            result = restart("PodEvicted", f"pod(s) {names} evicted ({evicted[0]}): {evicted[1]}", False,
+                             immediate=True)
+        else:
+            result = restart("PodDeleted", f"pod(s) {names} disappeared (deleted or evicted)", False,
+                             immediate=True)
         return result
 
     plan.delete_pods = stale
     if missing:
-        free = [n for n in missing if builders.pod_name(job, n) not in names_in_use]
+        free = [n for n in missing if n not in busy
+                and builders.pod_object_name(job, n, st["restartGeneration"]) not in names_in_use]
         plan.create_nodes = free
         if len(free) == len(missing):
             st["podsCreated"] = True
@@ -483,4 +525,14 @@ def _run(job: Obj, st: Obj, conds: Conditions, plan: Plan, current: dict[int, Ob
     conds.clear("Running", "NotAllRunning", "not every pod is running")
     if all(pod_scheduled(p) for p in current.values()):
         return "Starting", "Starting", "pods scheduled, containers starting"
+    if any(scheduling.KUEUE_SCHEDULING_GATE in _gates(p) for p in current.values()):
+        return "Pending", "Queued", _queued_message(job)
     return "Pending", "Unscheduled", "waiting for pods to be scheduled"
+
+
+def _queued_message(job: Obj) -> str:
+    return f"waiting for Kueue to admit the pod group (LocalQueue {scheduling.kueue_queue(job)})"
+
+
+def _gates(pod: Obj) -> list[str]:
+    return [str(g.get("name")) for g in (pod.get("spec") or {}).get("schedulingGates") or [] if isinstance(g, dict)]

@@ -133,6 +133,59 @@ def _tail(path: Path, n: int = 40) -> str:
         return "(no log)"
 
 
+# What a kubelet does to a pod that is deleted while it runs and that a finalizer keeps (kubelets
+# since 1.27 set the terminal phase before the pod goes): its containers are stopped (SIGTERM: exit
+# 143) and the pod is marked Failed. kwok's own pod-delete stage only deletes, which leaves such a
+# pod Running for good; Kueue's pod integration (its finalizer, tests/integration/kueue.py) and the
+# Job controller rely on the terminal phase. The weight makes kwok pick this stage over
+# pod-delete whenever both match.
+KWOK_TERMINATE_STAGE = """\
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-terminate-kept-by-finalizer
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: 'Exists'
+    - key: '.metadata.finalizers'
+      operator: 'Exists'
+    - key: '.status.phase'
+      operator: 'In'
+      values: ['Pending', 'Running']
+  weight: 1
+  next:
+    statusTemplate: |
+      {{ $now := Now }}
+      phase: Failed
+      conditions:
+      - type: Ready
+        status: "False"
+        reason: PodCompleted
+        lastTransitionTime: {{ $now | Quote }}
+      - type: ContainersReady
+        status: "False"
+        reason: PodCompleted
+        lastTransitionTime: {{ $now | Quote }}
+      containerStatuses:
+      {{ range .spec.containers }}
+      - name: {{ .name | Quote }}
+        image: {{ .image | Quote }}
+        ready: false
+        restartCount: 0
+        state:
+          terminated:
+            exitCode: 143
+            reason: Error
+            finishedAt: {{ $now | Quote }}
+      {{ end }}
+"""
+
+
 class KubeAPI:
     """One etcd + kube-apiserver. Use `start()` / `stop()` (the `kube` fixture does both)."""
 
@@ -155,6 +208,8 @@ class KubeAPI:
         self.kubeconfig = self.root / "admin.kubeconfig"
         self.audit_log = self.root / "logs" / "audit.jsonl"
         self._user_serial = 0
+        self._core: Any = None   # _core_api
+        self._core_pool = 0
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 90.0) -> KubeAPI:
@@ -380,15 +435,17 @@ class KubeAPI:
     def start_kwok(self, timeout: float = 60.0) -> None:
         """kwok: fake kubelets for the nodes annotated FAKE_NODE_ANNOTATION=fake (heartbeats; pods
         go Running, Jobs' pods complete, deleted pods are removed), with the stages of its release
-        (`kwok-stages.yaml` beside the binaries)."""
+        (`kwok-stages.yaml` beside the binaries), and a kubelet's one kwok lacks (KWOK_TERMINATE_STAGE)."""
         self._need_current("kwok")
         if "kwok" in self._procs:
             return
         stages = self.bins["kwok"].parent / "kwok-stages.yaml"
         if not stages.is_file():
             raise KubeBinariesMissing(f"missing {stages}: {CURRENT_HINT}")
+        terminate = self.root / "kwok-stage-terminate.yaml"
+        terminate.write_text(KWOK_TERMINATE_STAGE)
         self._spawn("kwok", [
-            str(self.bins["kwok"]), f"--kubeconfig={self.kubeconfig}", f"--config={stages}",
+            str(self.bins["kwok"]), f"--kubeconfig={self.kubeconfig}", f"--config={stages}", f"--config={terminate}",
             "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={self.FAKE_NODE_ANNOTATION}=fake",
             f"--disregard-status-with-annotation-selector={self.KWOK_HANDS_OFF}=custom",
             "--cidr=10.244.0.0/16", "--node-ip=10.1.0.1", f"--server-address=127.0.0.1:{free_port()}",
@@ -402,20 +459,66 @@ class KubeAPI:
 
         wait_for(started, timeout, interval=0.1, what="kwok started")
 
-    def add_fake_node(self, name: str, *, gpus: int = 8, cpu: str = "64", memory: str = "512Gi",
-                      labels: dict[str, str] | None = None) -> dict[str, Any]:
-        """A Node kwok runs, with `gpus` nvidia.com/gpu, tainted FAKE_NODE_TAINT."""
+    def fake_node(self, name: str, *, gpus: int = 8, cpu: str = "64", memory: str = "512Gi",
+                  labels: dict[str, str] | None = None) -> dict[str, Any]:
+        """The manifest of a Node kwok runs, with `gpus` nvidia.com/gpu, tainted FAKE_NODE_TAINT."""
         capacity = {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "1Ti"}
         if gpus:
             capacity["nvidia.com/gpu"] = str(gpus)
-        return self.apply({
+        return {
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "annotations": {self.FAKE_NODE_ANNOTATION: "fake"},
                          "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
                                     "kubernetes.io/arch": "amd64", "type": "kwok", **(labels or {})}},
             "spec": {"taints": [dict(self.FAKE_NODE_TAINT)]},
             "status": {"capacity": capacity, "allocatable": dict(capacity)},
-        })
+        }
+
+    def add_fake_node(self, name: str, *, gpus: int = 8, cpu: str = "64", memory: str = "512Gi",
+                      labels: dict[str, str] | None = None) -> dict[str, Any]:
+        """A Node kwok runs, with `gpus` nvidia.com/gpu, tainted FAKE_NODE_TAINT."""
+        return self.apply(self.fake_node(name, gpus=gpus, cpu=cpu, memory=memory, labels=labels))
+
+    def add_fake_nodes(self, names: list[str], *, gpus: int = 8, threads: int = 8) -> None:
+        """Many fake nodes at once (`fake_node`; concurrent creates, an existing node is left as it is)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from kubernetes.client.rest import ApiException
+
+        core = self._core_api(threads)
+
+        def create(name: str) -> None:
+            try:
+                core.create_node(self.fake_node(name, gpus=gpus), _preload_content=False)
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(create, names))
+
+    def _core_api(self, pool: int = 8) -> Any:
+        """One admin CoreV1Api kept for the helpers that call it often (a connection pool of `pool`)."""
+        from kubernetes import client
+
+        if self._core is None or self._core_pool < pool:
+            api = self.api_client()
+            api.rest_client.pool_manager.connection_pool_kw["maxsize"] = pool
+            self._core, self._core_pool = client.CoreV1Api(api), pool
+        return self._core
+
+    def fake_nodes_schedulable(self, names: list[str]) -> bool:
+        """Whether every named node is Ready and carries no taint but FAKE_NODE_TAINT (the
+        node-lifecycle controller has lifted the not-ready one), from one list of the nodes."""
+        data = json.loads(self._core_api().list_node(_preload_content=False).data)
+        ok = set()
+        for node in data["items"]:
+            conds = (node.get("status") or {}).get("conditions") or []
+            taints = (node.get("spec") or {}).get("taints") or []
+            if (any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+                    and all(t["key"] == self.FAKE_NODE_TAINT["key"] for t in taints)):
+                ok.add(node["metadata"]["name"])
+        return set(names) <= ok
 
     def log_tail(self, name: str, n: int = 40) -> str:
         return _tail(self.logs / f"{name}.log", n)

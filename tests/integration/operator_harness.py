@@ -200,13 +200,21 @@ def apply_crd(kube: KubeAPI) -> None:
     kube.apply(yaml.safe_load(CRD.read_text()))
 
 
-@pytest.fixture(scope="module", name="env")
-def env_fixture(kube: KubeAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+def start_env(kube: KubeAPI, log_dir: Path, namespace_labels: dict[str, str] | None = None) -> Env:
+    """The CRD, a fresh namespace (with `namespace_labels`) and an operator watching it; stop it
+    with `env.operator.stop()`."""
     apply_crd(kube)
     ns = f"stj-{uuid.uuid4().hex[:6]}"
-    kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
-    op = Operator(kube.kubeconfig, ns, tmp_path_factory.mktemp("operator") / "operator.log").start()
+    kube.apply({"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": ns, "labels": dict(namespace_labels or {})}})
+    op = Operator(kube.kubeconfig, ns, log_dir / "operator.log").start()
+    return Env(kube, ns, op)
+
+
+@pytest.fixture(scope="module", name="env")
+def env_fixture(kube: KubeAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    env = start_env(kube, tmp_path_factory.mktemp("operator"))
     try:
-        yield Env(kube, ns, op)
+        yield env
     finally:
-        op.stop()
+        env.operator.stop()

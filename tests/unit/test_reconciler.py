@@ -1,4 +1,4 @@
-"""Reconciler against an in-memory fake of kube.Kube: requeue timers and the Kueue carry-over."""
+"""Reconciler against an in-memory fake of kube.Kube: requeue timers, status writes, peering."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from tests.waiting import wait_for
 
 Obj = dict[str, Any]
 NS = "team"
-QUEUE = "kueue.x-k8s.io/queue-name"
 
 
 class FakeKube:
@@ -22,6 +21,7 @@ class FakeKube:
         self.job = job
         self.objects: dict[tuple[str, str], Obj] = {}
         self.creates: list[tuple[str, str]] = []
+        self.annotated: list[tuple[str, dict[str, str]]] = []
 
     def get_job(self, namespace: str, name: str) -> Obj | None:
         return copy.deepcopy(self.job)
@@ -52,6 +52,10 @@ class FakeKube:
     def delete_job(self, namespace: str, name: str) -> None:
         pass
 
+    def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
+        self.annotated.append((name, dict(annotations)))
+        self.objects[("Pod", name)]["metadata"].setdefault("annotations", {}).update(annotations)
+
     def pod(self, name: str) -> Obj:
         return self.objects[("Pod", name)]
 
@@ -65,10 +69,6 @@ def job(labels: dict[str, str] | None = None, **spec: Any) -> Obj:
     return {"apiVersion": "spectrain.io/v1alpha1", "kind": "SpecTrainJob",
             "metadata": {"name": "k", "namespace": NS, "uid": "uid-1", "generation": 1, "labels": labels or {}},
             "spec": base}
-
-
-def generation(pod: Obj) -> str:
-    return str(pod["metadata"]["labels"]["spectrain.io/restart-generation"])
 
 
 def test_a_requeue_asked_for_by_a_timer_fired_pass_is_not_lost() -> None:
@@ -107,81 +107,25 @@ def test_an_earlier_pending_requeue_is_kept_and_a_later_one_merged() -> None:
         r.close()
 
 
-def _admit(kube: FakeKube, flavor: str) -> None:
-    """Play Kueue's plain-pod admission: add the flavor's node label and toleration to each pod."""
-    for (kind, _), pod in kube.objects.items():
-        if kind == "Pod":
-            pod["spec"].setdefault("nodeSelector", {})["cloud.example/flavor"] = flavor
-            pod["spec"].setdefault("tolerations", []).append(
-                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
-            # the API server's defaults are not Kueue's doing
-            pod["spec"]["tolerations"].append({"key": "node.kubernetes.io/not-ready", "operator": "Exists",
-                                               "effect": "NoExecute", "tolerationSeconds": 300})
-
-
-def _fail(kube: FakeKube, name: str) -> None:
-    kube.pod(name)["status"] = {"phase": "Failed", "containerStatuses": [
-        {"name": "target", "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}]}
-
-
-def test_kueue_admission_is_carried_over_to_recreated_pods_even_across_an_operator_restart() -> None:
-    kube = FakeKube(job({QUEUE: "team-a"}))
+def test_a_deleted_queued_job_marks_its_pod_group_done_for_kueue() -> None:
+    """Kueue keeps a pod group's ended pods (its finalizer) and its quota until the group is done:
+    once the job is gone, the operator says so on the pods Kueue still holds."""
+    kube = FakeKube(job({"kueue.x-k8s.io/queue-name": "lq"}))
     r = Reconciler(kube)  # type: ignore[arg-type]
-    r.reconcile_once(NS, "k")
-    assert {generation(kube.pod(f"k-{n}")) for n in (0, 1)} == {"0"}
-    assert kube.pod("k-0")["metadata"]["labels"][QUEUE] == "team-a"
-    _admit(kube, "a100")
-    r.reconcile_once(NS, "k")
-    recorded = kube.job["status"]["admittedScheduling"]
-    assert [e["node"] for e in recorded] == [0, 1]
-    assert recorded[0]["nodeSelector"] == {"cloud.example/flavor": "a100"}  # not spec.scheduling's team=a
-    assert recorded[0]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    r.close()
-
-    r = Reconciler(kube)  # the operator restarted: only the status remembers the admission
-    _fail(kube, "k-1")
-    r.reconcile_once(NS, "k")  # restart: the old pods are deleted
-    assert not [k for k in kube.objects if k[0] == "Pod"]
-    r.reconcile_once(NS, "k")  # recreated
-    for n in (0, 1):
-        pod = kube.pod(f"k-{n}")
-        assert generation(pod) == "1"
-        assert pod["spec"]["nodeSelector"] == {"team": "a", "cloud.example/flavor": "a100"}
-        assert pod["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
-                                               "effect": "NoSchedule"}]
-    assert kube.job["status"]["restarts"] == 1
-    r.close()
-
-
-def test_suspend_forgets_the_admission_and_jobs_without_a_queue_record_nothing() -> None:
-    kube = FakeKube(job({QUEUE: "team-a"}))
-    r = Reconciler(kube)  # type: ignore[arg-type]
-    r.reconcile_once(NS, "k")
-    _admit(kube, "a100")
-    r.reconcile_once(NS, "k")
-    assert kube.job["status"]["admittedScheduling"]
-    kube.job["spec"]["suspend"] = True  # Kueue preempts the job
-    r.reconcile_once(NS, "k")
-    assert kube.job["status"]["phase"] == "Suspended" and "admittedScheduling" not in kube.job["status"]
-    kube.job["spec"]["suspend"] = False
-    r.reconcile_once(NS, "k")
-    assert "cloud.example/flavor" not in kube.pod("k-0")["spec"]["nodeSelector"]
-    r.close()
-
-    plain = FakeKube(job())
-    r = Reconciler(plain)  # type: ignore[arg-type]
-    r.reconcile_once(NS, "k")
-    _admit(plain, "a100")  # not a Kueue job: whatever else touched the pods is not carried over
-    r.reconcile_once(NS, "k")
-    assert "admittedScheduling" not in plain.job["status"]
-    r.close()
-
-
-def test_a_forged_admission_record_is_parsed_defensively() -> None:
-    assert recmod._admitted_by_node([{"node": "0"}, {"node": True}, "x", {"node": 1, "nodeSelector": {"a": 1}},
-                                     {"node": 2, "nodeSelector": {"a": "b"}, "tolerations": ["t", {"key": "k"}]}]) \
-        == {2: {"nodeSelector": {"a": "b"}, "tolerations": [{"key": "k"}]}}
-    assert recmod._admitted_by_node({"node": 0}) == {}
+    try:
+        r.reconcile_once(NS, "k")
+        kube.pod("k-0")["metadata"]["finalizers"] = ["kueue.x-k8s.io/managed"]  # Kueue's webhook put it
+        r.deleted(NS, "k", kube.job)
+        assert kube.annotated == [("k-0", {"kueue.x-k8s.io/retriable-in-group": "false"})]
+        r.deleted(NS, "k", kube.job)  # a replayed event: nothing twice
+        assert len(kube.annotated) == 1
+        plain = FakeKube(job())
+        r.close()
+        r = Reconciler(plain)  # type: ignore[arg-type]
+        r.deleted(NS, "k", plain.job)  # not queued: no pod list, nothing to say
+        assert plain.annotated == []
+    finally:
+        r.close()
 
 
 def test_a_status_differing_only_by_nulls_is_not_rewritten() -> None:

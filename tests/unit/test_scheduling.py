@@ -1,4 +1,4 @@
-"""spec.scheduling and Kueue: what scheduling.apply puts on pods, the gang PodGroups, merge_admitted."""
+"""spec.scheduling and Kueue: what scheduling.apply puts on pods, the gang PodGroups, Kueue pod names and release."""
 
 from __future__ import annotations
 
@@ -115,29 +115,38 @@ def test_builder_pods_validate_with_every_provider() -> None:
             assert pod["spec"]["nodeSelector"] == {"gpu": "h200"}
 
 
-def test_merge_admitted_keeps_what_kueue_added() -> None:
-    job = make_job(nodeSelector={"gpu": "h200"}, tolerations=[GPU_TOL])
-    built, _ = builders.pod(job, 0)
-    existing = copy.deepcopy(built)
-    existing["spec"]["nodeSelector"] = {"gpu": "a100", "cloud.example.com/flavor": "spot"}
-    existing["spec"]["tolerations"] = [
-        GPU_TOL,
-        {"key": "spot", "operator": "Exists", "effect": "NoSchedule"},
-        {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute",
-         "tolerationSeconds": 300},
-    ]
-    existing["spec"]["schedulingGates"] = [{"name": scheduling.KUEUE_SCHEDULING_GATE}]
-    existing["spec"]["nodeName"] = "node-7"
-    original = copy.deepcopy(built)
-    merged = scheduling.merge_admitted(built, existing)
-    assert built == original, "the input pod is not mutated"
-    assert merged["spec"]["nodeSelector"] == {"gpu": "h200", "cloud.example.com/flavor": "spot"}
-    assert merged["spec"]["tolerations"] == [GPU_TOL, {"key": "spot", "operator": "Exists", "effect": "NoSchedule"}]
-    assert "schedulingGates" not in merged["spec"]
-    assert "nodeName" not in merged["spec"]
-    kubernetes_validate.validate(merged, "1.34.0", strict=True)
+def test_kueue_priority_class_label_goes_to_the_pods_with_the_queue() -> None:
+    job = make_job()
+    job["metadata"]["labels"][scheduling.KUEUE_PRIORITY_LABEL] = "urgent"
+    pod = bare_pod()
+    scheduling.apply(pod, job)
+    # Kueue reads a pod group's WorkloadPriorityClass from the pods, not from the SpecTrainJob
+    assert pod["metadata"]["labels"][scheduling.KUEUE_PRIORITY_LABEL] == "urgent"
+    del job["metadata"]["labels"][scheduling.KUEUE_QUEUE_LABEL]
+    pod = bare_pod()
+    scheduling.apply(pod, job)
+    assert scheduling.KUEUE_PRIORITY_LABEL not in pod["metadata"]["labels"], "not queued: no Kueue keys at all"
 
 
-def test_merge_admitted_with_nothing_added_is_identity() -> None:
-    built, _ = builders.pod(make_job(), 0)
-    assert scheduling.merge_admitted(built, copy.deepcopy(built)) == built
+def test_a_kueue_job_alternates_its_pod_names_and_the_status_role_lists_both() -> None:
+    job = make_job()
+    assert [builders.pod_object_name(job, 1, g) for g in range(4)] == ["gpu-dra-1", "gpu-dra-1-r"] * 2
+    pod = builders.build_pod(job, 1, generation=3)
+    assert pod["metadata"]["name"] == "gpu-dra-1-r"
+    assert pod["spec"]["hostname"] == "gpu-dra-1", "peers address the rank by hostname: unchanged"
+    role = next(o for o in builders.children(job) if o["kind"] == "Role")
+    assert role["rules"][0]["resourceNames"] == ["gpu-dra-0", "gpu-dra-1", "gpu-dra-0-r", "gpu-dra-1-r"]
+    del job["metadata"]["labels"][scheduling.KUEUE_QUEUE_LABEL]
+    assert builders.build_pod(job, 1, generation=3)["metadata"]["name"] == "gpu-dra-1"
+    assert builders.pod_names(job) == ["gpu-dra-0", "gpu-dra-1"]
+
+
+def test_kueue_release_names_the_pods_kueue_still_holds() -> None:
+    def pod(name: str, finalizers: list[str], annotations: dict[str, str] | None = None) -> dict:
+        return {"metadata": {"name": name, "finalizers": finalizers, "annotations": annotations or {}}}
+
+    held = [scheduling.KUEUE_FINALIZER]
+    pods = [pod("a", held), pod("b", []), pod("c", held, {scheduling.KUEUE_RETRIABLE_ANNOTATION: "false"}),
+            pod("d", ["other", *held])]
+    assert scheduling.kueue_release(pods) == ["a", "d"]
+    assert scheduling.kueue_release([]) == []

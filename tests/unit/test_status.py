@@ -274,6 +274,61 @@ def test_pods_of_older_generations_are_deleted() -> None:
     assert plan.delete_pods == ["j-0-stale"] and plan.status["phase"] == "Running"
 
 
+# ------------------------------------------------------------------------- Kueue pod groups
+
+QUEUED = {"kueue.x-k8s.io/queue-name": "lq"}
+
+
+def test_a_replacement_waits_until_the_old_pod_of_its_node_stopped() -> None:
+    """Kueue keeps a pod that ended (its finalizer) until a replacement exists, so a queued job's
+    replacements take the other name (builders.pod_object_name); they are still created only
+    once the old pod no longer runs: two pods of one rank never run at once."""
+    j = job(created_status(restartGeneration=1, podsCreated=False))
+    j["metadata"]["labels"] = dict(QUEUED)
+    old = running(j, gen=0)
+    for p in old:  # deleted by the restart, still running: its kubelet has not stopped it yet
+        p["metadata"]["deletionTimestamp"] = "2026-01-01T11:59:00Z"
+        p["spec"]["nodeName"] = "node-a"
+    plan = st.decide(j, old, NOW)
+    assert plan.create_nodes == [] and plan.requeue_after == 1.0
+    old[0]["status"]["phase"] = "Failed"  # node 0's kubelet stopped it; Kueue still holds it
+    plan = st.decide(j, old, NOW)
+    assert plan.create_nodes == [0]
+    assert builders.pod(j, 0, generation=1)[0]["metadata"]["name"] == "j-0-r" != old[0]["metadata"]["name"]
+
+
+def test_a_pod_group_evicted_by_kueue_restarts_with_kueues_reason() -> None:
+    j = job(created_status())
+    j["metadata"]["labels"] = dict(QUEUED)
+    pods = running(j)
+    for p in pods:  # what Kueue does to a preempted pod group: a condition, then a delete
+        p["metadata"]["deletionTimestamp"] = "2026-01-01T11:59:00Z"
+        p["status"]["conditions"].append({"type": "TerminationTarget", "status": "True", "reason": "WorkloadEvicted",
+                                          "message": "Preempted to accommodate a workload due to prioritization"})
+    plan = st.decide(j, pods, NOW)
+    assert plan.status["phase"] == "Restarting" and plan.status["restartsTowardsMax"] == 0
+    assert plan.status["lastFailure"] == ("pod(s) j-0, j-1 evicted (WorkloadEvicted): Preempted to accommodate "
+                                          "a workload due to prioritization")
+    assert [e.reason for e in plan.events][0] == "PodEvicted"
+
+
+def test_gated_pods_are_queued() -> None:
+    j = job(created_status())
+    j["metadata"]["labels"] = dict(QUEUED)
+    pods = [pod(j, n) for n in range(2)]
+    for p in pods:
+        p["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}]
+    plan = st.decide(j, pods, NOW)
+    assert plan.status["phase"] == "Pending"
+    assert [e.message for e in plan.events] == ["waiting for Kueue to admit the pod group (LocalQueue lq)"]
+    assert cond(plan, "Queued")["status"] == "True"
+    j["status"] = plan.status
+    for p in pods:  # admitted: ungated and scheduled
+        p["spec"]["schedulingGates"] = []
+        p["spec"]["nodeName"] = "n"
+    assert cond(st.decide(j, pods, NOW), "Queued")["reason"] == "Admitted"
+
+
 # ------------------------------------------------------------------------- suspend, success, deadline, TTL
 
 def test_suspend_deletes_pods_and_resume_recreates_them() -> None:
