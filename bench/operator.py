@@ -134,10 +134,12 @@ class Bench:
         self.core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
         return name
 
-    def create_jobs(self, ns: str, names: list[str]) -> None:
+    def create_jobs(self, ns: str, names: list[str],
+                    make: Callable[[str, str], dict[str, Any]] = manifest) -> None:
+        """Create the jobs `make(ns, name)` at once (CREATE_THREADS client threads)."""
         with ThreadPoolExecutor(CREATE_THREADS) as pool:
             list(pool.map(lambda n: self.custom.create_namespaced_custom_object(
-                GROUP, VERSION, ns, PLURAL, manifest(ns, n), _preload_content=False), names))
+                GROUP, VERSION, ns, PLURAL, make(ns, n), _preload_content=False), names))
 
     def _names(self, items_call: Any, ns: str, **kw: Any) -> set[str]:
         data = json.loads(items_call(ns, _preload_content=False, **kw).data)

@@ -1,7 +1,8 @@
 """Thin kopf handlers: every event of a job that may need acting on (a new job, one seen when the
 operator starts or resumes, a spec change, a deletion) and every event of a pod carrying the job
-label only triggers a reconcile pass of the job (reconciler.Reconciler.handle). The pass itself is
-idempotent, so replayed or duplicated triggers are harmless.
+label only triggers a reconcile pass of the job (reconciler.Reconciler.handle; a pod's, shortly
+after it, with the other pod changes of the job meanwhile: Reconciler.pod_changed). The pass itself
+is idempotent, so replayed or duplicated triggers are harmless.
 
 Only event handlers are used: they keep no state on the objects. kopf's create/update/resume
 handlers would write a diff base to every job, and a kopf timer would put a finalizer on it; the
@@ -131,4 +132,4 @@ def pod_event(namespace: str | None, labels: Mapping[str, str], type: str | None
         return
     job = labels.get(builders.LABEL_JOB)
     if namespace and job:
-        reconciler().handle(namespace, job)
+        reconciler().pod_changed(namespace, job)   # batched: see reconciler.POD_EVENT_DELAY_S

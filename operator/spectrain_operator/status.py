@@ -289,7 +289,8 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
     live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
     current = {n: p for p in live if pod_generation(p) == st["restartGeneration"]
                and (n := pod_node(p)) is not None and 0 <= n < nodes}
-    stale = [p["metadata"]["name"] for p in live if p not in current.values()]
+    kept = {id(p) for p in current.values()}   # (not `p in current.values()`: quadratic in the pods)
+    stale = [p["metadata"]["name"] for p in live if id(p) not in kept]
     names_in_use = {p["metadata"]["name"] for p in pods}
     # Nodes whose pod of an earlier generation still runs (bound, not terminated; deleted or not):
     # the replacement waits for it, so two pods of one rank never run at once (the same name does

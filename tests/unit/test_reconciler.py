@@ -239,3 +239,32 @@ def test_a_new_job_s_first_pass_uses_its_event_body_and_later_passes_read_it() -
         assert len(kube.creates) == 7                    # nothing twice
     finally:
         r.close()
+
+
+def test_the_pod_changes_of_a_job_within_the_delay_make_one_pass(monkeypatch: Any) -> None:
+    """A job of many pods gets one pass (one pod list) for the pod changes of POD_EVENT_DELAY_S,
+    not one each (bench-operator_scale: ~100 back-to-back passes for 512 pods being started)."""
+    import time
+
+    from spectrain_operator import builders, handlers
+
+    monkeypatch.setattr(recmod, "POD_EVENT_DELAY_S", 0.3)
+    passes: list[str] = []
+    r = Reconciler(FakeKube(job()), resync_s=300.0)  # type: ignore[arg-type]
+    r.reconcile_once = lambda ns, name: passes.append(name)  # type: ignore[assignment, method-assign, return-value]
+    handlers.install(r)
+    try:
+        t0 = time.monotonic()
+        handlers.pod_event(namespace=NS, labels={builders.LABEL_JOB: "k"}, type="ADDED")   # a new pod: nothing
+        assert r._timers.pending((NS, "k")) is None
+        for _ in range(50):   # 50 pod changes, as the kopf handler sees them
+            handlers.pod_event(namespace=NS, labels={builders.LABEL_JOB: "k"}, type="MODIFIED")
+        assert passes == [] and 0 < (r._timers.pending((NS, "k")) or 0) <= 0.3
+        wait_for(lambda: passes, 10, what="the pass of the pod changes")
+        assert time.monotonic() - t0 >= 0.29 and passes == ["k"]
+        assert r._timers.pending((NS, "k")) is None   # nothing else to come for them
+        r.requeue(NS, "k", 0.2)   # an earlier pending requeue (e.g. a backoff) is kept
+        r.pod_changed(NS, "k")
+        assert (r._timers.pending((NS, "k")) or 1) <= 0.2
+    finally:
+        r.close()
