@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import yaml
 
+from bench.combine import grads, new_drafter, step, trainable
 from bench.common import print_table, write_results
 from bench.fleet import acceptance, final_target, heldout
 
@@ -57,27 +58,21 @@ def in_run_acceptance(data: Path) -> list[float]:
 
 def ceiling(target: Any, samples: int) -> tuple[float, list[float]]:
     """A fresh drafter trained offline on the final target: (plateau acceptance, curve)."""
-    from spectrain_workloads.drafter.models import build_drafter, eagle_loss
     from spectrain_workloads.drafter.settings import DrafterSettings
     from spectrain_workloads.drafter.synthetic import target_hidden, text_sequences
     from spectrain_workloads.drafter.verify import measure
 
     s = DrafterSettings()
-    model = build_drafter(s, target.cfg)
-    model.load_target_weights(target.tok_embeddings.weight, target.output.weight)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=s.lr, weight_decay=0.0)
+    model = new_drafter(target)
+    opt = torch.optim.AdamW(trainable(model), lr=s.lr, weight_decay=0.0)
     held, curve, seen, i = heldout(target), [], 0, 0
     b = s.samples_per_step
     while seen < samples:
         x = text_sequences(64, s.seq_cap + 1, seed=1000 + i)   # training text, disjoint seeds from held-out
         h = target_hidden(target, x)
         for j in range(0, len(x), b):
-            loss, _ = eagle_loss(model, x[j:j + b], h[j:j + b], hidden_weight=s.hidden_loss_weight,
-                                 ce_weight=s.ce_loss_weight, stats=False)
-            (loss / b).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            grads(model, (x[j:j + b], h[j:j + b]))
+            step(model, opt)
         seen, i = seen + len(x), i + 1
         if i % 10 == 0:
             curve.append(float(measure(model, held, None, k=4).acceptance_length))

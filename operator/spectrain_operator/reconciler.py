@@ -38,12 +38,29 @@ log = logging.getLogger("spectrain.reconciler")
 _VALIDATION_CACHE_MAX = 4096
 _CREATE_WORKERS = 16
 _TIMER_WORKERS = 16
-RESYNC_SECONDS = float(os.environ.get("SPECTRAIN_RESYNC_SECONDS", "30"))
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A duration knob from the operator's environment: a positive number of seconds."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"environment variable {name}={raw!r} must be a positive number of seconds "
+                         f"(default {default}); fix or unset it in the operator's Deployment")
+    return value
+
+
+RESYNC_SECONDS = env_seconds("SPECTRAIN_RESYNC_SECONDS", 30.0)
 # A pod's change (bound, running, exited, deleted) is acted on this long after it, so that the
-# changes of a job's pods within it make one pass (one pod list) rather than one each: without it
-# a job of 512 pods ran ~100 back-to-back passes, each listing all its pods, as they were bound and
-# started (bench-operator_scale).
-POD_EVENT_DELAY_S = float(os.environ.get("SPECTRAIN_POD_EVENT_DELAY_SECONDS", "0.5"))
+# changes of a job's pods within it make one pass (one pod list) rather than one each: a large job's
+# pods are bound and started in a burst, and a pass per change would list all its pods each time
+# (bench-operator_scale, docs/benchmarks.md).
+POD_EVENT_DELAY_S = env_seconds("SPECTRAIN_POD_EVENT_DELAY_SECONDS", 0.5)
 RETRY_SECONDS = 5.0
 # How long an answer "the server does not serve resource.k8s.io/v1" is trusted (one served is
 # trusted for good): a cluster upgraded under a running operator is noticed within this.

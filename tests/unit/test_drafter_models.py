@@ -159,6 +159,7 @@ def test_settings_from_spec_and_errors_name_the_field() -> None:
         (dict(lr=0.0), "optimizer.lr"),
         (dict(hidden_loss_weight=0.0, ce_loss_weight=0.0), "loss weights"),
         (dict(samples_per_step=0), "samples_per_step"),
+        (dict(verify_batch=0), "verify_batch must be >= 1, got 0"),
     ]
     for kw, needle in cases:
         with pytest.raises(ConfigError, match=needle):

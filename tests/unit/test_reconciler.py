@@ -6,6 +6,8 @@ import copy
 import threading
 from typing import Any
 
+import pytest
+
 from spectrain_operator import reconciler as recmod
 from spectrain_operator.reconciler import Reconciler
 from tests.waiting import wait_for
@@ -268,3 +270,15 @@ def test_the_pod_changes_of_a_job_within_the_delay_make_one_pass(monkeypatch: An
         assert (r._timers.pending((NS, "k")) or 1) <= 0.2
     finally:
         r.close()
+
+
+def test_a_duration_knob_must_be_a_positive_number_of_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    env_seconds = recmod.env_seconds
+    monkeypatch.delenv("SPECTRAIN_POD_EVENT_DELAY_SECONDS", raising=False)
+    assert env_seconds("SPECTRAIN_POD_EVENT_DELAY_SECONDS", 0.5) == 0.5
+    monkeypatch.setenv("SPECTRAIN_POD_EVENT_DELAY_SECONDS", "0.25")
+    assert env_seconds("SPECTRAIN_POD_EVENT_DELAY_SECONDS", 0.5) == 0.25
+    for bad in ("half", "0", "-1", "nan"):
+        monkeypatch.setenv("SPECTRAIN_POD_EVENT_DELAY_SECONDS", bad)
+        with pytest.raises(ValueError, match=r"DELAY_SECONDS=.* must be a positive number of seconds"):
+            env_seconds("SPECTRAIN_POD_EVENT_DELAY_SECONDS", 0.5)

@@ -142,16 +142,11 @@ class BatchCombiner:
                                                             (1 << i for i in range(32)))} | {max_micro_batch})
 
     def micro_cost(self, b: int) -> int | None:
-        """Predicted ns of a micro-step of b samples: measured, else scaled from a smaller measured size.
-
-        Never above a larger size's estimate: a size used rarely (the smallest, which fills a
-        window's tail) keeps the estimate of a busy moment until it runs again, and a stale high
-        estimate would keep it out of exactly the tails it is for.
-        """
-        measured = self.cost.estimate(micro_key(b))
+        """Predicted ns of a micro-step of b samples: measured (never above a larger measured size,
+        CostModel.estimate_sized), else scaled from a smaller measured size."""
+        measured = self.cost.estimate_sized(*micro_key(b))
         if measured is not None:
-            larger = [e for s in self.sizes if s > b and (e := self.cost.estimate(micro_key(s))) is not None]
-            return min([measured, *larger])
+            return measured
         below = [s for s in self.sizes if s < b and self.cost.estimate(micro_key(s)) is not None]
         if not below:
             return None

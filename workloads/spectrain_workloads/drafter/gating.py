@@ -51,6 +51,18 @@ class CostModel:
         s = self._samples.get(key)
         return int(quantile(s, self.q)) if s else None
 
+    def estimate_sized(self, name: str, size: int) -> int | None:
+        """The estimate of task (name, size), never above that of a larger measured size of the same
+        task: a size that runs rarely (the smallest, which fills windows' tails) keeps the estimate
+        of a busy moment until it runs again, and a stale high one would keep it out of the tails
+        it is for. None when (name, size) itself was never measured."""
+        own = self.estimate((name, size))
+        if own is None:
+            return None
+        larger = [e for k in self._samples
+                  if isinstance(k, tuple) and k[0] == name and k[1] > size and (e := self.estimate(k)) is not None]
+        return min([own, *larger])
+
     def keys(self) -> list[Hashable]:
         return list(self._samples)
 
@@ -174,7 +186,7 @@ class Budget:
 
 
 UNLIMITED_NS = 1 << 62
-UNIT_KEY: Hashable = ("train", 1)   # one training micro-step of one sample: the unit of work
+UNIT_KEY: tuple[str, int] = ("train", 1)   # one training micro-step of one sample: the unit of work
 
 
 class Gate:
@@ -193,11 +205,8 @@ class Gate:
         larger ones pay off, so its estimate can be stale from a busy moment)."""
         if self.min_window_ns > 0:
             return self.min_window_ns
-        unit = self.cost.estimate(UNIT_KEY)
-        if unit is None:
-            return None
-        larger = [self.cost.estimate(k) for k in self.cost.keys() if isinstance(k, tuple) and k[0] == UNIT_KEY[0]]
-        return min([unit, *(e for e in larger if e is not None)])
+        name, size = UNIT_KEY
+        return self.cost.estimate_sized(name, size)
 
     def budget(self, now_ns: int) -> Budget:
         """The best usable open window and its predicted remaining time minus the margin."""

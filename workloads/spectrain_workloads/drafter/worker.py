@@ -44,8 +44,8 @@ ALWAYS_SLICE_NS = 50_000_000     # policy Always: return to housekeeping this of
 # (a few micro-steps), backing off x2 up to REMEASURE_MAX_S while it stays idle.
 REMEASURE_AFTER_S, REMEASURE_MAX_S = 10.0, 300.0
 # Measurements are taken inside an open window where one comes: outside windows the drafter shares
-# the device with its target's compute and measures costs several times what it pays in a window
-# (on 2 CPU cores, 21-28 ms against 2.5-7 ms), which keeps it out of windows it would fit. With no
+# the device with its target's compute and measures costs several times what it pays in a window,
+# which keeps it out of windows it would fit (docs/benchmarks.md, the demo A/B). With no
 # window for this long after data arrived (policy Always, a target that never idles) it measures anyway.
 CALIBRATE_WAIT_S = 5.0
 WAIT_S = 0.05                    # longest block on the ring between housekeeping checks

@@ -65,14 +65,18 @@ def export_cutoff_ns(rd: RankData) -> int | None:
     return min(times) if times else None
 
 
+def in_window_share(rd: RankData, inside_s: float) -> float:
+    """The part of the drafter's busy time (`busySeconds`) that was inside windows. The drafter
+    counts its combined work by whole tasks, a task that ran past its window's end included; only
+    the part inside windows was idle time."""
+    busy = rd.summary.get("busySeconds")
+    return min(1.0, inside_s / float(busy)) if _num(busy) and float(busy) > 0 else 1.0
+
+
 def effective_seconds(rd: RankData, work: list[tuple[dict[str, Any], float]]) -> float:
     combined = rd.summary.get("combinedWorkSeconds")
     if _num(combined):
-        # The drafter counts whole tasks, a task that ran past its window's end included; only the
-        # part inside windows was idle time: scale by the in-window share of its busy time.
-        busy, inside = rd.summary.get("busySeconds"), sum(s for _, s in work)
-        share = min(1.0, inside / float(busy)) if _num(busy) and float(busy) > 0 else 1.0
-        return float(combined) * share
+        return float(combined) * in_window_share(rd, sum(s for _, s in work))
     if not rd.summary.get("artifact"):
         return 0.0
     cutoff = export_cutoff_ns(rd)
@@ -141,9 +145,7 @@ def harvest(ranks: dict[int, RankData]) -> dict[str, Any]:
     for r, s in exported_by_rank(ranks).items():
         if r in per:
             p = per[r]
-            busy = ranks[r].summary.get("busySeconds")
-            share = min(1.0, p["harvested_s"] / float(busy)) if _num(busy) and float(busy) > 0 else 1.0
-            p["effective_s"] = max(p["effective_s"], s * share)
+            p["effective_s"] = max(p["effective_s"], s * in_window_share(ranks[r], p["harvested_s"]))
     idle = {k: sum(p["idle_s_by_kind"].get(k, 0.0) for p in per.values()) for k in KINDS}
     harvested = {k: sum(p["harvested_s_by_kind"].get(k, 0.0) for p in per.values()) for k in KINDS}
     total_idle, total_h = sum(idle.values()), sum(harvested.values())

@@ -104,13 +104,18 @@ def plot_curves(ranks: dict[int, RankData], out: Path) -> bool:
     a1.set_xlabel("step")
     a2.set_title("drafter expected acceptance length")
     a2.set_xlabel("seconds")
-    for a in (a1, a2):
+    _save(plt, fig, (a1, a2), out)
+    return drew
+
+
+def _save(plt: Any, fig: Any, axes: tuple[Any, ...], out: Path) -> None:
+    """Legends where there are labels, then the PNG."""
+    for a in axes:
         if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
-    return drew
 
 
 def _smooth(ys: list[float], n: int) -> list[float]:
@@ -149,11 +154,7 @@ def plot_rl(ranks: dict[int, RankData], out: Path) -> bool:
     a3.set_title("rollout acceptance (tokens per verification)")
     for a in (a1, a2, a3):
         a.set_xlabel("RL step")
-        if a.get_legend_handles_labels()[0]:
-            a.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, (a1, a2, a3), out)
     return True
 
 
