@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # The CPU wheel lies on disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
+# The transformers release the HF-target tests ran against (the package allows >=5,<6).
+HF_PIN ?= transformers==5.23.0
 STAMP := $(VENV)/.installed
 QUICK ?=
 PYTEST_ARGS ?=
@@ -24,7 +26,7 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	$(PY_BOOT) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_PIN)" -e '.[operator,workloads,dev]'
+	$(PIP) install -q "$(TORCH_PIN)" "$(HF_PIN)" -e '.[operator,workloads,dev]'
 	touch $(STAMP)
 
 install: $(STAMP) ## create .venv with everything (CPU torch pinned)
@@ -41,7 +43,7 @@ test-integration: $(STAMP) kube-binaries ## integration tier only
 test-e2e: $(STAMP) ## e2e against the cluster in KUBECONFIG
 	$(PY) -m pytest tests -m e2e --e2e $(PYTEST_ARGS)
 
-kube-binaries: ## build kube-apiserver/-controller-manager/-scheduler, etcd, kwok, Kueue (scripts/kube/) once from the Go module proxy
+kube-binaries: ## build kube-apiserver/-controller-manager/-scheduler, etcd, kwok, Kueue, scheduler-plugins (scripts/kube/) once from the Go module proxy
 	bash scripts/build-kube-current.sh
 
 kube-binaries-legacy: ## the old 1.20 tier from Debian source (~11 min), for SPECTRAIN_KUBE=1.20 and the below-range test
@@ -50,10 +52,11 @@ kube-binaries-legacy: ## the old 1.20 tier from Debian source (~11 min), for SPE
 lint: $(STAMP) ## ruff
 	$(VENV)/bin/ruff check operator workloads tests bench scripts
 
-typecheck: $(STAMP) ## mypy on the operator, the ring, the contract, the drafter fleet and the hooks API
-	$(VENV)/bin/mypy operator/spectrain_operator workloads/spectrain_workloads/ring \
+typecheck: $(STAMP) ## mypy on the operator, the ring, the contract, the drafter fleet, the hooks API and the HF targets
+	$(VENV)/bin/mypy --follow-imports=silent operator/spectrain_operator workloads/spectrain_workloads/ring \
 	  workloads/spectrain_workloads/{contract,config,runtime}.py workloads/spectrain_workloads/drafter/{fleet,links,replicas}.py
-	$(VENV)/bin/mypy --follow-imports=silent workloads/spectrain_workloads/hooks
+	$(VENV)/bin/mypy --follow-imports=silent workloads/spectrain_workloads/hooks workloads/spectrain_workloads/hf \
+	  workloads/spectrain_workloads/{generate,target/models}.py
 
 verify: $(STAMP) ## regenerate derived files (helm CRD copy, docs) and fail on a diff
 	$(PY) scripts/gen.py

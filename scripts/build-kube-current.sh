@@ -3,7 +3,9 @@
 # kube-apiserver, kube-controller-manager, kube-scheduler (k8s.io/kubernetes), etcd
 # (go.etcd.io/etcd/server/v3, the version that Kubernetes release requires) and kwok
 # (sigs.k8s.io/kwok, fake nodes and pod lifecycles); Kueue's manager (sigs.k8s.io/kueue cmd/kueue)
-# with the CRDs and webhook manifests of the same module. Idempotent: exits at once when the
+# with the CRDs and webhook manifests of the same module; the scheduler-plugins kube-scheduler
+# (sigs.k8s.io/scheduler-plugins cmd/scheduler: the Coscheduling plugin, run as a second scheduler
+# for gang scheduling) with the PodGroup CRD of the same module. Idempotent: exits at once when the
 # binaries of the pinned versions are cached.
 #
 # The versions live in the build modules, nowhere else:
@@ -12,15 +14,21 @@
 #   scripts/kube/kwok/go.mod  sigs.k8s.io/kwok, in its own module: kwok is built with the k8s.io
 #                             library versions of its own release
 #   scripts/kube/kueue/go.mod sigs.k8s.io/kueue, in its own module for the same reason
+#   scripts/kube/scheduler-plugins/go.mod
+#                             sigs.k8s.io/scheduler-plugins, in its own module (its k8s.io v0.34
+#                             libraries; its replace block repeated, as replaces do not carry over)
 # Binaries land in $KUBE_CURRENT_CACHE/kube-<kubernetes version>/bin (default
 # ~/.cache/spectrain/kube-vX.Y.Z/bin) with a stamp naming the versions and the build modules'
 # checksum: a change to either module rebuilds. Kueue lands in $KUBE_CURRENT_CACHE/kueue-<version>/
-# (bin/kueue, crds.yaml, webhooks.yaml) with a stamp of its own: a Kueue bump rebuilds only Kueue. The Go module and build caches are Go's own
-# (go env GOMODCACHE / GOCACHE).
+# (bin/kueue, crds.yaml, webhooks.yaml) with a stamp of its own: a Kueue bump rebuilds only Kueue;
+# scheduler-plugins likewise in $KUBE_CURRENT_CACHE/scheduler-plugins-<version>/ (bin/kube-scheduler,
+# podgroups.yaml). The Go module and build caches are Go's own (go env GOMODCACHE / GOCACHE).
 #
 #   scripts/build-kube-current.sh                 build (or report the cached binaries)
 #   scripts/build-kube-current.sh --print-bin     print the bin directory and exit (tests use it)
 #   scripts/build-kube-current.sh --print-kueue   print Kueue's directory and exit
+#   scripts/build-kube-current.sh --print-scheduler-plugins
+#                                                 print scheduler-plugins' directory and exit
 #   scripts/build-kube-current.sh --regen vX.Y.Z  rewrite scripts/kube/go.mod for another
 #                                                 k8s.io/kubernetes release, go mod tidy, then build
 #
@@ -31,6 +39,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 MOD="$ROOT/scripts/kube"
 KWOK_MOD="$MOD/kwok"
 KUEUE_MOD="$MOD/kueue"
+SP_MOD="$MOD/scheduler-plugins"
 CACHE="${KUBE_CURRENT_CACHE:-$HOME/.cache/spectrain}"
 # Bump when the way the binaries are built changes (flags, ldflags): cached binaries are rebuilt.
 BUILD_LEVEL=1
@@ -48,9 +57,10 @@ case "${1:-}" in
   "") ;;
   --print-bin) mode=print ;;
   --print-kueue) mode=print-kueue ;;
+  --print-scheduler-plugins) mode=print-sp ;;
   --regen) mode=regen; REGEN_VERSION="${2:-}"; [[ "$REGEN_VERSION" =~ ^v1\.[0-9]+\.[0-9]+$ ]] \
              || die "--regen needs a release version like v1.37.2" ;;
-  -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
   *) die "unknown argument $1 (see --help)" ;;
 esac
 
@@ -59,11 +69,17 @@ KUBE_VERSION=$(modver "$MOD/go.mod" k8s.io/kubernetes)
 KUEUE_VERSION=$(modver "$KUEUE_MOD/go.mod" sigs.k8s.io/kueue)
 [[ -n "$KUEUE_VERSION" ]] || die "no sigs.k8s.io/kueue requirement in $KUEUE_MOD/go.mod"
 KUEUE_DIR="$CACHE/kueue-$KUEUE_VERSION"
+SP_VERSION=$(modver "$SP_MOD/go.mod" sigs.k8s.io/scheduler-plugins)
+[[ -n "$SP_VERSION" ]] || die "no sigs.k8s.io/scheduler-plugins requirement in $SP_MOD/go.mod"
+SP_DIR="$CACHE/scheduler-plugins-$SP_VERSION"
 if [[ $mode == print ]]; then
   echo "$CACHE/kube-$KUBE_VERSION/bin"
   exit 0
 elif [[ $mode == print-kueue ]]; then
   echo "$KUEUE_DIR"
+  exit 0
+elif [[ $mode == print-sp ]]; then
+  echo "$SP_DIR"
   exit 0
 fi
 
@@ -231,5 +247,57 @@ build_kueue() {
   log "done in $(( $(date +%s) - t0 )) s: $KUEUE_DIR (kueue $KUEUE_VERSION)"
 }
 
+# --- scheduler-plugins ----------------------------------------------------------------------------
+# kube-scheduler with the out-of-tree plugins (cmd/scheduler; the tests run it as a second scheduler
+# with a Coscheduling profile) and, from the same module, the PodGroup CRD it reads
+# (config/crd/bases/scheduling.x-k8s.io_podgroups.yaml). Its own stamp and directory.
+SP_SUM=$(cat "$SP_MOD/go.mod" "$SP_MOD/go.sum" | sha256sum | cut -c1-16)
+SP_STAMP="scheduler-plugins=$SP_VERSION modules=$SP_SUM level=$BUILD_LEVEL"
+
+build_scheduler_plugins() {
+  if [[ -x "$SP_DIR/bin/kube-scheduler" && -s "$SP_DIR/podgroups.yaml" \
+        && "$(cat "$SP_DIR/.stamp" 2>/dev/null)" == "$SP_STAMP" ]]; then
+    log "cached: $SP_DIR ($SP_STAMP; delete $SP_DIR/.stamp to rebuild)"
+    return 0
+  fi
+  local t0 src crd
+  t0=$(date +%s)
+  log "building $SP_STAMP with $("$GO" env GOVERSION) into $SP_DIR"
+  (cd "$SP_MOD" && "$GO" mod download) || proxy_error "go mod download in scripts/kube/scheduler-plugins"
+  src=$(cd "$SP_MOD" && "$GO" list -m -f '{{.Dir}}' sigs.k8s.io/scheduler-plugins) \
+    || proxy_error "go list -m sigs.k8s.io/scheduler-plugins"
+  crd="$src/config/crd/bases/scheduling.x-k8s.io_podgroups.yaml"
+  [[ -f "$crd" ]] || die "scheduler-plugins $SP_VERSION has no config/crd/bases/scheduling.x-k8s.io_podgroups.yaml"
+  OUT="$SP_DIR/.build.$$"
+  rm -rf "$OUT"; mkdir -p "$OUT/bin"
+  trap 'rm -rf "${OUT:-}"' EXIT
+  log "go build scheduler-plugins kube-scheduler (about 9 min cold on 2 cores, seconds with a warm Go build cache)"
+  # stamped with the Kubernetes release it is built from, as hack/lib/version.sh does: the binary
+  # version decides the emulation version, and one below 1.31 (scheduler-plugins' own tag, v0.34.Z)
+  # is refused at start ("emulation version 0.34 is not between [1.31, 0.34.0]")
+  local kver kminor ldflags pkg got
+  kver=$(modver "$SP_MOD/go.mod" k8s.io/kubernetes)
+  [[ "$kver" =~ ^v1\.[0-9]+\. ]] || die "no k8s.io/kubernetes v1.Y.Z in $SP_MOD/go.mod"
+  kminor=${kver#v1.}; kminor=${kminor%%.*}
+  ldflags="-s -w"
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldflags+=" -X $pkg.gitVersion=$kver -X $pkg.gitMajor=1 -X $pkg.gitMinor=$kminor -X $pkg.gitTreeState=clean"
+  done
+  (cd "$SP_MOD" && CGO_ENABLED=0 "$GO" build -trimpath -ldflags "$ldflags" \
+     -o "$OUT/bin/kube-scheduler" sigs.k8s.io/scheduler-plugins/cmd/scheduler) \
+    || die "go build in scripts/kube/scheduler-plugins failed (see above)"
+  got=$("$OUT/bin/kube-scheduler" --version) || die "the built scheduler-plugins kube-scheduler does not run"
+  [[ "$got" == "Kubernetes $kver" ]] || die "scheduler-plugins kube-scheduler --version says '$got', expected 'Kubernetes $kver'"
+  cp "$crd" "$OUT/podgroups.yaml"
+  chmod -R u+w "$OUT"  # files copied out of the module cache are read-only
+  mkdir -p "$SP_DIR"
+  rm -rf "$SP_DIR/bin"
+  mv -f "$OUT/bin" "$OUT/podgroups.yaml" "$SP_DIR/"
+  rm -rf "$OUT"
+  echo "$SP_STAMP" > "$SP_DIR/.stamp.tmp" && mv -f "$SP_DIR/.stamp.tmp" "$SP_DIR/.stamp"
+  log "done in $(( $(date +%s) - t0 )) s: $SP_DIR (scheduler-plugins $SP_VERSION)"
+}
+
 build_kube
 build_kueue
+build_scheduler_plugins

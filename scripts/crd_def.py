@@ -142,11 +142,23 @@ def spec_schema() -> dict[str, Any]:
         "nodes": i("Number of pods (one per node).", default=1, minimum=1, maximum=MAX_NODES),
         "procsPerNode": i("Ranks per pod.", default=1, minimum=1, maximum=64),
         "parallelism": parallelism,
-        "model": o("The target model.", {
-            "preset": s("Model preset.", default="debug", enum=list(C.TARGET_PRESETS)),
-            "overrides": o("Free-form model config overrides, preserved as given.", default={},
+        "model": o("The target model: a project preset, or a Hugging Face model directory (path); neither: "
+                   f"preset {C.DEFAULT_PRESET}.", {
+            "preset": s("Model preset.", enum=list(C.TARGET_PRESETS)),
+            "path": s("A Hugging Face model directory (config.json, *.safetensors, tokenizer.json): "
+                      "file:///abs/dir or pvc://<claim>/<path>. Architectures: "
+                      + ", ".join(C.HF_ARCHITECTURES) + ". Nothing is downloaded at run time.",
+                      minLength=1, maxLength=1024, **{"x-kubernetes-validations": [
+                          rule("self.startsWith('file:///') || self.startsWith('pvc://')",
+                               "spec.target.model.path must be file:///abs/dir or pvc://<claim>/<path>; "
+                               + C.HUB_ID_HINT)]}),
+            "overrides": o("Free-form model config overrides of a preset, preserved as given.",
                            **{"x-kubernetes-preserve-unknown-fields": True}),
-        }, default={}),
+        }, default={}, rules=[
+            rule("!(has(self.preset) && has(self.path))",
+                 "spec.target.model: preset and path are exclusive; remove one"),
+            rule("!has(self.path) || !has(self.overrides)",
+                 "spec.target.model.overrides: not applied to a model given by path; remove overrides")]),
         "data": o("Training data.", {
             "source": s("builtin:<name> | file:///abs/dir | pvc://<claim>/<path>.",
                         default="builtin:python-stdlib", maxLength=1024,

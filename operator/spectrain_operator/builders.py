@@ -188,9 +188,9 @@ def _mounts(job: Obj, *, data: bool) -> list[Obj]:
     ]
     if job["spec"]["drafter"]["export"].get("claimName", ""):
         mounts.append({"name": "export", "mountPath": EXPORT_DIR})
-    claim = specmod.data_claim(job["spec"])
-    if data and claim:
-        mounts.append({"name": "data", "mountPath": f"{DATA_ROOT}/{claim}", "readOnly": True})
+    if data:
+        mounts += [{"name": vol, "mountPath": f"{DATA_ROOT}/{claim}", "readOnly": True}
+                   for vol, _, claim in specmod.input_claims(job["spec"])]
     return mounts
 
 
@@ -205,9 +205,8 @@ def _volumes(job: Obj) -> list[Obj]:
                    else {"name": "run", "emptyDir": {}})
     if s["drafter"]["export"].get("claimName", ""):
         volumes.append({"name": "export", "persistentVolumeClaim": {"claimName": s["drafter"]["export"]["claimName"]}})
-    claim = specmod.data_claim(s)
-    if claim:
-        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    volumes += [{"name": vol, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+                for vol, _, claim in specmod.input_claims(s)]
     return volumes
 
 

@@ -6,6 +6,7 @@
                                  as a YAML stream
     spectrain run FILE           run the job on this machine (local backend)
     spectrain report RUN_DIR     the run report (timeline, harvest, losses)
+    spectrain generate ...       speculative decoding with an HF model and an exported drafter
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ def _report(args: argparse.Namespace) -> int:
     return int(report_main(args) or 0)
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from spectrain_workloads.generate import main as generate_main  # lazy: torch, transformers
+
+    return int(generate_main(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="spectrain", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="build the report of a run directory")
     rep.add_argument("run_dir", metavar="RUN_DIR")
     rep.set_defaults(func=_report)
+    gen = sub.add_parser("generate", help="lossless speculative decoding: an HF model + an exported drafter")
+    from spectrain_workloads.generate import add_arguments  # torch-free at import
+
+    add_arguments(gen)
+    gen.set_defaults(func=_generate)
     return ap
 
 

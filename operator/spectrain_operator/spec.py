@@ -334,17 +334,27 @@ def claims(spec: Obj) -> list[tuple[str, str]]:
         out.append(("spec.target.checkpoint.claimName", spec["target"]["checkpoint"].get("claimName", "")))
     if spec["drafter"]["export"].get("claimName", ""):
         out.append(("spec.drafter.export.claimName", spec["drafter"]["export"].get("claimName", "")))
-    claim = data_claim(spec)
-    if claim:
-        out.append(("spec.target.data.source", claim))
+    out += [(field, claim) for _, field, claim in input_claims(spec)]
     return out
 
 
-def data_claim(spec: Obj) -> str | None:
-    source = spec["target"]["data"]["source"]
-    if source.startswith("pvc://"):
-        return source[len("pvc://"):].split("/", 1)[0]
+def _pvc(uri: str | None) -> str | None:
+    if uri and uri.startswith("pvc://"):
+        return uri[len("pvc://"):].split("/", 1)[0]
     return None
+
+
+def input_claims(spec: Obj) -> list[tuple[str, str, str]]:
+    """(volume name, field path, PVC name) of the read-only inputs mounted under SPECTRAIN_DATA_ROOT:
+    the data source's claim ("data") and the model path's ("model", unless it is the same claim)."""
+    out: list[tuple[str, str, str]] = []
+    data = _pvc(spec["target"]["data"]["source"])
+    if data:
+        out.append(("data", "spec.target.data.source", data))
+    model = _pvc((spec["target"].get("model") or {}).get("path"))
+    if model and model != data:
+        out.append(("model", "spec.target.model.path", model))
+    return out
 
 
 def iter_errors(paths: Iterable[str | Path]) -> Iterable[tuple[str, str]]:

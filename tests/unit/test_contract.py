@@ -61,7 +61,7 @@ def workload_start(m: dict[str, Any]) -> JobConfig:
         GRPOConfig(group_size=t.rl.group_size, prompts_per_step=t.data.batch_size, lr=t.optimizer.lr)
         get_task(t.rl.task)
     else:
-        model_config(t.model.preset, t.model.overrides, vocab_size=ByteTokenizer.vocab_size)
+        contract.preset_model_config(t.model)
         delays(t.parallelism.pipeline)
     return cfg
 

@@ -30,7 +30,8 @@ class Parallelism:
 
 @dataclass(kw_only=True)
 class ModelSpec:
-    preset: str = "debug"
+    preset: str | None = None      # a project preset (contract.TARGET_PRESETS); neither: DEFAULT_PRESET
+    path: str | None = None        # a Hugging Face model directory: file:///abs/dir | pvc://<claim>/<path>
     overrides: dict[str, Any] = field(default_factory=dict)
 
 

@@ -43,6 +43,8 @@ RL_TASKS = ("arithmetic", "copy", "sort")
 DRAFT_STRATEGIES = ("Bandit", "Fixed")
 MAX_DRAFT_TOKENS = 32
 DATA_BUILTINS = ("python-stdlib",)
+# Hugging Face targets (spec.target.model.path): config.json's `architectures[0]`.
+HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 # ---------------------------------------------------------------- presets
 # Target models (API.md names). `debug` trains in seconds on CPU.
@@ -53,6 +55,7 @@ TARGET_PRESETS: dict[str, dict[str, Any]] = {
     "1b": dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, max_seq_len=4096),
     "7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, max_seq_len=4096, ffn_dim=11008),
 }
+DEFAULT_PRESET = "debug"        # the target when spec.target.model names neither a preset nor a path
 # Drafter training presets. `lm_*` size the standalone LM drafter (the Eagle drafter's one decoder
 # layer always has the target's width); the rest are training hyperparameters (drafter.settings).
 DRAFTER_PRESETS: dict[str, dict[str, Any]] = {
@@ -147,6 +150,13 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+def preset_model_config(model: Any) -> ModelConfig:
+    """The ModelConfig of a preset target (`spec.target.model` without a path) on the byte tokenizer."""
+    from spectrain_workloads.tokenizer import ByteTokenizer
+
+    return model_config(model.preset or DEFAULT_PRESET, model.overrides, vocab_size=ByteTokenizer.vocab_size)
+
+
 def model_config(preset: str, overrides: dict[str, Any] | None = None, **fixed: Any) -> ModelConfig:
     """Preset + user overrides (+ values the runtime fixes, e.g. the tokenizer's vocab_size)."""
     if preset not in TARGET_PRESETS:
@@ -170,8 +180,6 @@ def _one_of(path: str, value: Any, allowed: tuple[str, ...] | dict[str, Any]) ->
 def check_spec(cfg: JobConfig) -> list[str]:
     """Every reason the workloads would refuse this job at start, one line each: the field path,
     what is wrong and what to change. [] when it can run. Needs neither torch nor a cluster."""
-    from spectrain_workloads.tokenizer import ByteTokenizer
-
     t, d = cfg.target, cfg.drafter
     par = t.parallelism
     out = _one_of("spec.mode", cfg.mode, MODES)
@@ -197,16 +205,52 @@ def check_spec(cfg: JobConfig) -> list[str]:
         out.append(f"spec.target.parallelism: data ({par.data}) x pipeline ({par.pipeline}) = "
                    f"{par.data * par.pipeline} must equal nodes x procsPerNode = {cfg.world_size}")
     out += _mode_errors(cfg)
+    if t.model.path is not None:   # its layer count is known where the directory is mounted (hf.source)
+        if cfg.mode == ASYNC_PIPELINE:
+            out.append("spec.target.model.path: mode AsyncPipeline trains the project's presets only; a Hugging "
+                       "Face model trains in mode Pretrain or RL (use spec.target.model.preset for this mode)")
+        return out + model_path_errors(t.model) + pipeline_errors(cfg, None)
     try:
-        mcfg = model_config(t.model.preset, t.model.overrides, vocab_size=ByteTokenizer.vocab_size)
+        mcfg = preset_model_config(t.model)
     except ConfigError as exc:
         return out + [str(exc)]
     except TypeError as exc:        # a wrong value type inside overrides
         return out + [f"spec.target.model.overrides: {exc}"]
-    out += _pipeline_errors(cfg, mcfg)
+    out += pipeline_errors(cfg, mcfg.n_layers)
     if t.data.seq_len > mcfg.max_seq_len:
         out.append(f"spec.target.data.seqLen: {t.data.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len} "
-                   f"(preset {t.model.preset}); lower seqLen or set spec.target.model.overrides.max_seq_len")
+                   f"(preset {t.model.preset or DEFAULT_PRESET}); lower seqLen or set "
+                   "spec.target.model.overrides.max_seq_len")
+    return out
+
+
+HUB_ID_HINT = ("a Hugging Face hub id is not fetched at run time: download the model into a volume first "
+               "(docs/bring-your-model.md) and give its directory")
+
+
+def model_path_errors(model: Any) -> list[str]:
+    """The rules of `spec.target.model.path` that need no file system (the operator checks them too);
+    the directory itself is checked where it is mounted (hf.source.inspect)."""
+    path, field = model.path, "spec.target.model.path"
+    out: list[str] = []
+    if model.preset is not None:
+        out.append(f"spec.target.model: preset ({model.preset!r}) and path are exclusive; remove preset to "
+                   "train the model at path, or path to train the preset")
+    if model.overrides:
+        out.append(f"spec.target.model.overrides: not applied to a model given by path (its config.json "
+                   f"decides its shape); remove overrides ({sorted(model.overrides)})")
+    if not isinstance(path, str) or not path:
+        return out + [f"{field}: must be file:///abs/dir or pvc://<claim>/<path>"]
+    if path.startswith("file://"):
+        if not path.startswith("file:///"):
+            out.append(f"{field} {path!r}: file:// needs an absolute path (file:///abs/dir)")
+    elif path.startswith("pvc://"):
+        if not path[len("pvc://"):].strip("/"):
+            out.append(f"{field} {path!r}: use pvc://<claim>/<path>")
+    elif "://" not in path and path.count("/") == 1 and not path.startswith("/"):
+        out.append(f"{field} {path!r}: {HUB_ID_HINT}")
+    else:
+        out.append(f"{field} {path!r}: use file:///abs/dir or pvc://<claim>/<path>")
     return out
 
 
@@ -272,16 +316,19 @@ def _mode_errors(cfg: JobConfig) -> list[str]:
     return out
 
 
-def _pipeline_errors(cfg: JobConfig, mcfg: ModelConfig) -> list[str]:
-    par, preset = cfg.target.parallelism, cfg.target.model.preset
+def pipeline_errors(cfg: JobConfig, n_layers: int | None) -> list[str]:
+    """The pipeline rules; those about the layer count only when it is known (`n_layers`)."""
+    par = cfg.target.parallelism
+    model = cfg.target.model
+    what = f"preset {model.preset or DEFAULT_PRESET}" if model.path is None else f"model at {model.path}"
     out: list[str] = []
     if par.pipeline > 1 and par.microbatches < par.pipeline and cfg.mode == PRETRAIN:
         out.append(f"spec.target.parallelism.microbatches: must be >= pipeline ({par.pipeline}) when "
                    f"pipeline > 1, got {par.microbatches}")
-    if mcfg.n_layers % par.pipeline:
+    if n_layers is not None and n_layers % par.pipeline:
         out.append(f"spec.target.parallelism.pipeline: {par.pipeline} stages do not divide the model's "
-                   f"{mcfg.n_layers} layers (preset {preset}); choose a divisor of {mcfg.n_layers} or set "
-                   "spec.target.model.overrides.n_layers")
+                   f"{n_layers} layers ({what}); choose a divisor of {n_layers}"
+                   + (" or set spec.target.model.overrides.n_layers" if model.path is None else ""))
     if par.schedule == INTERLEAVED and cfg.mode == PRETRAIN:
         v = INTERLEAVED_CHUNKS
         if par.pipeline < 2:
@@ -290,11 +337,12 @@ def _pipeline_errors(cfg: JobConfig, mcfg: ModelConfig) -> list[str]:
         elif par.microbatches % par.pipeline:
             out.append(f"spec.target.parallelism.microbatches: Interleaved1F1B needs a multiple of pipeline "
                        f"({par.pipeline}), got {par.microbatches}")
-        if mcfg.n_layers % (v * par.pipeline):
+        if n_layers is not None and n_layers % (v * par.pipeline):
+            fix = (f"set spec.target.model.overrides.n_layers to a multiple of {v * par.pipeline}, lower pipeline, "
+                   "or use schedule 1F1B") if model.path is None else "lower pipeline or use schedule 1F1B"
             out.append(f"spec.target.parallelism.schedule: Interleaved1F1B gives each of the {par.pipeline} "
                        f"pipeline ranks {v} model chunks, so {v} x pipeline = {v * par.pipeline} must divide the "
-                       f"model's {mcfg.n_layers} layers; set spec.target.model.overrides.n_layers to a multiple "
-                       f"of {v * par.pipeline}, lower pipeline, or use schedule 1F1B")
+                       f"model's {n_layers} layers; {fix}")
     return out
 
 

@@ -38,6 +38,29 @@ MIN_CORPUS_TOKENS = 1024
 _BINARY_PROBE = 4096   # bytes inspected for NUL to skip binary files
 
 
+def volume_path(field: str, uri: str, *, data_root: str | None = None) -> Path:
+    """The local path of file:///abs/dir or pvc://<claim>/<path> (claims mounted under
+    $SPECTRAIN_DATA_ROOT); ConfigError naming `field` when it is malformed, missing or unreadable."""
+    if uri.startswith("file://"):
+        path = Path(uri[len("file://"):])
+        if not path.is_absolute():
+            raise ConfigError(f"{field} {uri!r}: file:// needs an absolute path (file:///abs/dir)")
+    elif uri.startswith("pvc://"):
+        rest = uri[len("pvc://"):].strip("/")
+        if not rest:
+            raise ConfigError(f"{field} {uri!r}: use pvc://<claim>/<path>")
+        root = data_root or os.environ.get("SPECTRAIN_DATA_ROOT", DEFAULT_DATA_ROOT)
+        path = Path(root) / rest
+    else:
+        raise ConfigError(f"{field} {uri!r}: use file:///abs/dir or pvc://<claim>/<path>")
+    if not path.exists():
+        raise ConfigError(f"{field} {uri!r}: {path} does not exist; check the path (and for pvc:// "
+                          "that the claim is mounted under $SPECTRAIN_DATA_ROOT)")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{field} {uri!r}: {path} is not readable by this process")
+    return path
+
+
 def resolve_source(source: str, *, data_root: str | None = None) -> tuple[Path, str]:
     """(path, glob) for a source string; ConfigError naming the field for anything unusable."""
     if source == "builtin:python-stdlib":
@@ -45,25 +68,10 @@ def resolve_source(source: str, *, data_root: str | None = None) -> tuple[Path, 
     if source.startswith("builtin:"):
         raise ConfigError(f"{SOURCE_FIELD} {source!r}: unknown builtin dataset; the only builtin is "
                           "'builtin:python-stdlib'")
-    if source.startswith("file://"):
-        path = Path(source[len("file://"):])
-        if not path.is_absolute():
-            raise ConfigError(f"{SOURCE_FIELD} {source!r}: file:// needs an absolute path (file:///abs/dir)")
-    elif source.startswith("pvc://"):
-        rest = source[len("pvc://"):].strip("/")
-        if not rest:
-            raise ConfigError(f"{SOURCE_FIELD} {source!r}: use pvc://<claim>/<path>")
-        root = data_root or os.environ.get("SPECTRAIN_DATA_ROOT", DEFAULT_DATA_ROOT)
-        path = Path(root) / rest
-    else:
+    if not source.startswith(("file://", "pvc://")):
         raise ConfigError(f"{SOURCE_FIELD} {source!r}: use builtin:python-stdlib, file:///abs/dir or "
                           "pvc://<claim>/<path>")
-    if not path.exists():
-        raise ConfigError(f"{SOURCE_FIELD} {source!r}: {path} does not exist; check the path (and for pvc:// "
-                          "that the claim is mounted under $SPECTRAIN_DATA_ROOT)")
-    if not os.access(path, os.R_OK):
-        raise ConfigError(f"{SOURCE_FIELD} {source!r}: {path} is not readable by this process")
-    return path, "*"
+    return volume_path(SOURCE_FIELD, source, data_root=data_root), "*"
 
 
 def _text_files(root: Path, pattern: str) -> Iterator[Path]:
@@ -80,8 +88,12 @@ def _text_files(root: Path, pattern: str) -> Iterator[Path]:
                 yield Path(dirpath) / name
 
 
-def load_corpus(source: str, *, max_bytes: int = 8 << 20, data_root: str | None = None) -> np.ndarray:
-    """Token ids [N] (uint16) of the source's text, files separated by EOS; at most max_bytes tokens."""
+def load_corpus(source: str, *, max_bytes: int = 8 << 20, data_root: str | None = None,
+                tokenizer: Any = None) -> np.ndarray:
+    """Token ids [N] of the source's text, files separated by EOS, from at most max_bytes bytes of text.
+
+    `tokenizer`: None for the byte tokenizer (ids = bytes, uint16), or one with `encode_document(bytes)
+    -> ids + EOS` (hf.tokenizer.HFTokenizer; uint16 or uint32 by vocabulary size)."""
     root, pattern = resolve_source(source, data_root=data_root)
     tok = ByteTokenizer()
     chunks: list[np.ndarray] = []
@@ -94,15 +106,21 @@ def load_corpus(source: str, *, max_bytes: int = 8 << 20, data_root: str | None 
             continue   # one unreadable file in a big tree is not fatal; an empty corpus is (below)
         if not blob or b"\x00" in blob[:_BINARY_PROBE]:
             continue
-        # Byte tokenizer: ids are the bytes themselves, so skip the Python-level encode.
-        chunks.append(np.frombuffer(blob, dtype=np.uint8).astype(np.uint16))
-        chunks.append(sep)
+        blob = blob[: max_bytes - total]
+        if tokenizer is not None:
+            chunks.append(tokenizer.encode_document(blob))
+        else:
+            # Byte tokenizer: ids are the bytes themselves, so skip the Python-level encode.
+            chunks.append(np.frombuffer(blob, dtype=np.uint8).astype(np.uint16))
+            chunks.append(sep)
         total += len(blob) + 1
         if total >= max_bytes:
             break
-    corpus = np.concatenate(chunks)[:max_bytes] if chunks else np.zeros(0, dtype=np.uint16)
+    corpus = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint16)
+    if tokenizer is None:
+        corpus = corpus[:max_bytes]
     if corpus.size < MIN_CORPUS_TOKENS:
-        raise ConfigError(f"{SOURCE_FIELD} {source!r}: {root} holds {corpus.size} bytes of readable text; "
+        raise ConfigError(f"{SOURCE_FIELD} {source!r}: {root} holds {corpus.size} tokens of readable text; "
                           f"it needs at least {MIN_CORPUS_TOKENS}")
     return corpus
 

@@ -178,7 +178,7 @@ class Runtime:
             torch.set_num_threads(opts.torch_threads
                                   or max(1, ((os.cpu_count() or 1) - spare) // max(1, rank.local_world)))
         opts.run_dir.mkdir(parents=True, exist_ok=True)
-        if rank.rank == 0:
+        if rank.rank == 0 and cfg.target.model.path is None:   # an HF target's goes with its export
             ByteTokenizer().save(opts.run_dir)
         if rank.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank.rank,

@@ -42,6 +42,9 @@ def _fsync_dir(path: Path) -> None:
 
 def _fsync_tree(path: Path) -> None:
     for f in path.iterdir():
+        if f.is_dir():
+            _fsync_tree(f)
+            continue
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     _fsync_dir(path)
@@ -145,10 +148,16 @@ def export_drafter(export_dir: str | os.PathLike[str], version: int, module: nn.
     cfg: ModelConfig = module.cfg  # type: ignore[assignment]
     config = {**meta, "format": FORMAT, "arch": arch, "version": version, "model_config": cfg.to_dict(),
               "vocab_size": cfg.vocab_size, "exported_at": time.time()}
+    if hasattr(module, "target_config"):   # hf_eagle.HFEagleDrafter: rebuilt from the target's config.json
+        config["hf_target_config"] = module.target_config
 
     def fill(tmp: Path) -> None:
         _save_tensors(module, tmp / "model.safetensors")
         _write_json(tmp / "config.json", config)
+        if hasattr(module, "target_config"):   # beside it, the layouts vLLM and SGLang load (docs/serving.md)
+            from spectrain_workloads.drafter.serving_export import export_serving
+
+            export_serving(tmp, module)   # type: ignore[arg-type]
 
     path = _atomic_dir(root / f"v{version}", fill)
     latest_tmp = root / f".tmp-LATEST-{os.getpid()}"
@@ -184,7 +193,11 @@ def load_drafter(path: str | os.PathLike[str], *, device: str | torch.device = "
     known = set(ModelConfig.__dataclass_fields__)
     cfg = ModelConfig(**{k: v for k, v in meta["model_config"].items() if k in known})
     module: nn.Module
-    if meta["arch"] == "Eagle":
+    if meta["arch"] == "Eagle" and "hf_target_config" in meta:
+        from spectrain_workloads.drafter.hf_eagle import HFEagleDrafter  # imports transformers
+
+        module = HFEagleDrafter(meta["hf_target_config"])
+    elif meta["arch"] == "Eagle":
         module = EagleDrafter(cfg)
     elif meta["arch"] == "LM":
         module = Transformer(cfg)

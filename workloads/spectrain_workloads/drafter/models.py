@@ -89,9 +89,16 @@ def lm_config(settings: DrafterSettings, target_cfg: ModelConfig) -> ModelConfig
                        rope_theta=target_cfg.rope_theta, norm_eps=target_cfg.norm_eps)
 
 
-def build_drafter(settings: DrafterSettings, target_cfg: ModelConfig, *, seed: int | None = None) -> nn.Module:
-    """A freshly initialised drafter (deterministic for a seed). Eagle still needs load_target_weights."""
+def build_drafter(settings: DrafterSettings, target_cfg: ModelConfig, *, seed: int | None = None,
+                  hf_config: dict[str, Any] | None = None) -> nn.Module:
+    """A freshly initialised drafter (deterministic for a seed). Eagle still needs load_target_weights.
+    hf_config: an HF target's config.json; its Eagle drafter is built of the target's own layer
+    class (drafter.hf_eagle), in the layout serving engines load."""
     torch.manual_seed(settings.seed if seed is None else seed)
+    if settings.arch == "Eagle" and hf_config is not None:
+        from spectrain_workloads.drafter.hf_eagle import HFEagleDrafter  # imports transformers
+
+        return HFEagleDrafter(hf_config)
     if settings.arch == "Eagle":
         return EagleDrafter(target_cfg)
     model = Transformer(lm_config(settings, target_cfg))
@@ -164,6 +171,7 @@ class TargetShared:
     model_config: ModelConfig
     digest: str                  # sha256 of the target model config (the export records it)
     stamp: tuple[int, ...]       # mtimes of the files: a change means the target rewrote them
+    hf_config: dict[str, Any] | None = None   # an HF target's config.json (target.models.shared_config)
 
 
 def shared_dir(run_dir: str | os.PathLike[str]) -> Path:
@@ -203,7 +211,7 @@ def load_target_shared(run_dir: str | os.PathLike[str]) -> TargetShared | None:
     known = set(ModelConfig.__dataclass_fields__)
     cfg = ModelConfig(**{k: v for k, v in raw.items() if k in known})
     return TargetShared(embedding=emb.float(), lm_head=head.float(), model_config=cfg, digest=config_digest(raw),
-                        stamp=stamp)
+                        stamp=stamp, hf_config=raw.get("hf_config"))
 
 
 def wait_target_shared(run_dir: str | os.PathLike[str], *, timeout_s: float | None = None,

@@ -32,7 +32,7 @@ class DrafterTrainer:
         self.device = device
         self.target_digest = target.digest
         self.target_cfg = target.model_config
-        self.model = build_drafter(settings, target.model_config).to(device)
+        self.model = build_drafter(settings, target.model_config, hf_config=target.hf_config).to(device)
         self.target_head = target.lm_head.to(device)          # [V, H]: the target's next-token distribution
         if isinstance(self.model, EagleDrafter):
             self.model.load_target_weights(target.embedding, target.lm_head)

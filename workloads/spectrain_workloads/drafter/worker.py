@@ -147,7 +147,7 @@ class Worker:
                 # lose them (they are not checkpointed), so a short run still exports what it learnt
                 self.trainer.optimizer_step(self.combiner.accumulated)
                 self.combiner.note_optimizer_step()
-            if self.replicas is not None and self.replicas.sync is not None and self.combiner.optimizer_steps > 0:
+            if self.replicas is not None and self.replicas.sync is not None and self._joins_rounds():
                 if self.replicas.final_round(self.combiner.samples_trained, self.version + 1) is not None:
                     self._checkpoint("combined")          # the coordinator exports the last version
             if self.trainer is not None and self.combiner.optimizer_steps > self.steps_at_ckpt:
@@ -444,13 +444,20 @@ class Worker:
                 if shared is not None:
                     self.trainer.refresh_target(shared)
                     self._stamp = shared.stamp
-        if self.replicas is not None and self.combiner.optimizer_steps > 0:
+        if self.replicas is not None and self._joins_rounds():
             if self.replicas.round(self.combiner.samples_trained, self.version + 1) is not None:
                 self._checkpoint("combined")      # the coordinator exports the combined version
         if self.combiner.optimizer_steps > self.steps_at_ckpt and (
                 self.version == 0 or self._due("checkpoint", self.s.checkpoint_every_s)):
             # the first optimizer step exports at once (a deployable artifact early), then periodically
             self._checkpoint("first" if self.version == 0 else "periodic")
+
+    def _joins_rounds(self) -> bool:
+        """A member contributes once it has trained; the coordinator combines from the start, since the
+        members' work reaches the export only through it, even when its own windows fit nothing
+        (its own parameters then weigh nothing: fleet.combine weights by work)."""
+        assert self.replicas is not None
+        return self.combiner.optimizer_steps > 0 or self.replicas.fleet.is_coordinator
 
     def _checkpoint(self, why: str) -> None:
         tr = self.trainer

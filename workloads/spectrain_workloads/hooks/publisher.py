@@ -37,13 +37,17 @@ import torch
 
 from spectrain_workloads.config import JobConfig
 from spectrain_workloads.config import load as load_config
-from spectrain_workloads.contract import ENV_CONFIG, ENV_RUN_DIR, WINDOW_KINDS, ModelConfig, model_config
+from spectrain_workloads.contract import (
+    ENV_CONFIG,
+    ENV_RUN_DIR,
+    WINDOW_KINDS,
+    ModelConfig,
+)
 from spectrain_workloads.hooks.errors import HookError
 from spectrain_workloads.hooks.windows import ManualWindow, ManualWindows
 from spectrain_workloads.runtime import RankInfo, TargetOptions, ring_layout
 from spectrain_workloads.target.instrument import Instrument, InstrumentOptions
 from spectrain_workloads.target.trainer import instrumented_step
-from spectrain_workloads.tokenizer import ByteTokenizer
 
 
 def _check_kind(kind: str) -> None:
@@ -322,7 +326,9 @@ def attach(*, hidden_dim: int | None = None, seq_len: int | None = None,
     cfg = load_config(e[ENV_CONFIG])
     t = cfg.target
     if hidden_dim is None:
-        hidden_dim = model_config(t.model.preset, t.model.overrides, vocab_size=ByteTokenizer.vocab_size).dim
+        from spectrain_workloads.target.models import resolve_target
+
+        hidden_dim = resolve_target(cfg).config.dim
     if seq_len is None:
         seq_len = t.data.seq_len
     if hidden_dim < 1 or seq_len < 1:

@@ -165,7 +165,7 @@ def pad_batch(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
 
 def sft_warmup(model: Transformer, task: Task, *, steps: int, batch: int = 32, lr: float = 3e-3, seed: int = 0) -> float:
     """Teacher-forced answers (the stand-in for a pretrained policy, so RL starts with signal). -> last loss."""
-    rng, dev = random.Random(seed), model.rope.device
+    rng, dev = random.Random(seed), next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     loss = torch.zeros(())
     for _ in range(steps):
@@ -174,7 +174,9 @@ def sft_warmup(model: Transformer, task: Task, *, steps: int, batch: int = 32, l
         seqs = pad_batch([p + task.answer_ids(e) for p, e in zip(prompts, exs, strict=False)], dev)
         logits = model(seqs[:, :-1])
         t = torch.arange(seqs.size(1) - 1, device=dev)[None]
-        mask = (t >= torch.tensor([len(p) - 1 for p in prompts], device=dev)[:, None]) & (seqs[:, 1:] != TOKENIZER.PAD)
+        lens = [len(p) + len(task.answer_ids(e)) for p, e in zip(prompts, exs, strict=False)]
+        mask = ((t >= torch.tensor([len(p) - 1 for p in prompts], device=dev)[:, None])
+                & (t < torch.tensor(lens, device=dev)[:, None] - 1))                   # answer tokens [B, L-1]
         loss = (F.cross_entropy(logits.flatten(0, 1), seqs[:, 1:].flatten(), reduction="none") * mask.flatten()).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -222,7 +224,7 @@ class GRPOTrainer:
             return False
         from spectrain_workloads.drafter.export import load_drafter
 
-        module, meta = load_drafter(Path(export_dir) / version, device=self.policy.rope.device)
+        module, meta = load_drafter(Path(export_dir) / version, device=next(self.policy.parameters()).device)
         self.set_drafter(module.to(next(self.policy.parameters()).dtype), meta.get("arch"),
                          new_version=self.drafter_version is not None)
         self.drafter_version = version
@@ -308,7 +310,7 @@ class GRPOTrainer:
         exs, res, tail = self.rollout()
         t1 = time.perf_counter()
         t0 += tail.get("plain_wall_s", 0.0)     # a plain rerun is a measurement, not part of the step it measures
-        g, dev = self.cfg.group_size, self.policy.rope.device
+        g, dev = self.cfg.group_size, next(self.policy.parameters()).device
         rewards = torch.tensor([self.task.reward(exs[i // g], r) for i, r in enumerate(res.responses)])
         adv = group_advantages(rewards, g).to(dev)
         temp = self.rcfg.temperature
@@ -391,19 +393,19 @@ class GRPOTrainer:
 
 def run(cfg: Any) -> list[float]:
     """spec.mode RL on this rank (env per docs/contracts.md); returns the per-step mean rewards."""
-    from spectrain_workloads.model import model_config
     from spectrain_workloads.runtime import Runtime
+    from spectrain_workloads.target.models import resolve_target
 
     rt = Runtime.start(cfg, leave_drafter_threads=True)
     opts, rank, device, t = rt.opts, rt.rank, rt.device, cfg.target
     assert t.rl is not None                 # check_spec: mode RL has spec.target.rl
-    mcfg = model_config(t.model.preset, t.model.overrides, vocab_size=TOKENIZER.vocab_size)
-    policy = Transformer(mcfg)
-    policy.init_weights(cfg.seed)
-    policy.to(device)
+    target = resolve_target(cfg)          # a preset (seeded init) or an HF model directory (its weights)
+    mcfg = target.config
+    policy = target.build_stage(0, 1).to(device)
     rl = t.rl
-    task = get_task(rl.task, max_len=max(2, min(48, rl.max_new_tokens - 1)))
-    rcfg = RolloutConfig.from_rl(rl, seed=cfg.seed + rank.rank)
+    tokenizer = target.tokenizer()
+    task = get_task(rl.task, max_len=max(2, min(48, rl.max_new_tokens - 1)), tokenizer=tokenizer)
+    rcfg = RolloutConfig.from_rl(rl, seed=cfg.seed + rank.rank, eos_id=tokenizer.EOS)
     gcfg = GRPOConfig(group_size=rl.group_size, prompts_per_step=t.data.batch_size, lr=t.optimizer.lr,
                       plain_every=int(os.environ.get("SPECTRAIN_RL_PLAIN_EVERY", "0")), seed=cfg.seed + rank.rank)
 
@@ -430,7 +432,7 @@ def run(cfg: Any) -> list[float]:
         if rank.rank == 0:   # the drafter can set up and calibrate during the warm-up (it refreshes these later)
             assert policy.tok_embeddings is not None and policy.output is not None
             rt.save_shared(embedding=policy.tok_embeddings.weight, lm_head=policy.output.weight,
-                           model_config=mcfg.to_dict())
+                           model_config=target.shared_config())
         sft_warmup(policy, task, steps=int(os.environ.get("SPECTRAIN_RL_WARMUP_STEPS", "200")), seed=cfg.seed)
         if rank.world > 1:   # identical start on every rank
             for p in policy.parameters():
@@ -441,7 +443,7 @@ def run(cfg: Any) -> list[float]:
         if rank.rank == 0:
             assert policy.tok_embeddings is not None and policy.output is not None
             rt.save_shared(embedding=policy.tok_embeddings.weight, lm_head=policy.output.weight,
-                           model_config=mcfg.to_dict())
+                           model_config=target.shared_config())
 
     if latest is None:
         save(0)          # the drafter's Eagle head needs the shared embedding / head from the start

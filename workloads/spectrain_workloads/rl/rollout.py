@@ -354,7 +354,7 @@ class RolloutEngine:
     def __init__(self, target: Transformer, cfg: RolloutConfig, drafter: nn.Module | DraftAdapter | None = None,
                  *, drafter_arch: str | None = None, rule: AcceptRule = rejection_rule) -> None:
         self.target, self.cfg, self.rule = target, cfg, rule
-        self.device = target.rope.device
+        self.device = next(target.parameters()).device
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.controller = DraftController(max_draft=cfg.max_draft_tokens, batch_threshold=cfg.batch_threshold,
                                           strategy=cfg.strategy)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import random
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.tokenizer import ByteTokenizer
@@ -37,27 +38,33 @@ class Task:
     name: str = ""
     max_len: int = 48
     alpha: float = 1.2
+    # The target's tokenizer (encode / decode / BOS / EOS): the byte tokenizer, or an HF target's.
+    tokenizer: Any = field(default=TOKENIZER, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_len < 2:
             raise ConfigError(f"task max_len must be >= 2, got {self.max_len}")
         if self.alpha <= 0:
             raise ConfigError(f"task alpha must be > 0, got {self.alpha}")
+        if self.tokenizer.EOS is None:
+            raise ConfigError("spec.target.model.path: the tokenizer defines no eos_token; RL responses end "
+                              "with EOS: set eos_token in tokenizer_config.json")
 
     def sample(self, rng: random.Random) -> Example:
         raise NotImplementedError
 
     def prompt_ids(self, ex: Example) -> list[int]:
-        return TOKENIZER.encode(ex.prompt, bos=True)
+        return self.tokenizer.encode(ex.prompt, bos=True)
 
     def answer_ids(self, ex: Example) -> list[int]:
-        return TOKENIZER.encode(ex.answer, eos=True)
+        return self.tokenizer.encode(ex.answer, eos=True)
 
     def reward(self, ex: Example, response: list[int]) -> float:
         """response: generated ids (EOS and anything after it ignored, except that EOS must be there)."""
-        closed = TOKENIZER.EOS in response
-        body = response[: response.index(TOKENIZER.EOS)] if closed else response
-        got = TOKENIZER.decode(body)
+        eos = self.tokenizer.EOS
+        closed = eos in response
+        body = response[: response.index(eos)] if closed else response
+        got = self.tokenizer.decode(body)
         if closed and got == ex.answer:
             return 1.0
         match = sum(a == b for a, b in zip(got, ex.answer, strict=False))
@@ -103,7 +110,7 @@ class Sort(Task):
 TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "copy": Copy, "sort": Sort}
 
 
-def get_task(name: str, **kwargs: float | int) -> Task:
+def get_task(name: str, **kwargs: Any) -> Task:
     if name not in TASKS:
         raise ConfigError(f"target.rl.task {name!r} is not shipped; use one of {sorted(TASKS)}")
     return TASKS[name](**kwargs)  # type: ignore[arg-type]

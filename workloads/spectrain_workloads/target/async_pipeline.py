@@ -31,12 +31,12 @@ from torch import nn
 from torch.func import functional_call
 
 from spectrain_workloads.config import JobConfig
+from spectrain_workloads.contract import preset_model_config
 from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
 from spectrain_workloads.errors import ConfigError
-from spectrain_workloads.model import ModelConfig, Transformer, model_config
+from spectrain_workloads.model import ModelConfig, Transformer
 from spectrain_workloads.optim import build_optimizer
 from spectrain_workloads.runtime import Runtime
-from spectrain_workloads.tokenizer import ByteTokenizer
 
 Weights = dict[str, torch.Tensor]
 
@@ -265,7 +265,7 @@ def run(cfg: JobConfig, *, max_staleness: int | None = None) -> dict[str, Any]:
     every rank holds; SIGTERM saves at the next step boundary. Returns a small summary."""
     rt = Runtime.start(cfg)
     rank, device, P, k = rt.rank.rank, rt.device, rt.rank.world, rt.rank.rank
-    mcfg = model_config(cfg.target.model.preset, cfg.target.model.overrides, vocab_size=ByteTokenizer.vocab_size)
+    mcfg = preset_model_config(cfg.target.model)
     data, steps, ck = cfg.target.data, cfg.target.steps, cfg.target.checkpoint
     module = Transformer.stage(mcfg, k, P).to(device)
     module.init_weights(cfg.seed)

@@ -2,9 +2,10 @@
 
 Rank layout: global rank r is stage `r % pipeline` of replica `r // pipeline` (pipeline
 neighbours are adjacent ranks, so a node's local ranks hold consecutive stages). Every stage
-builds `Transformer.stage(cfg, k, P)` and `init_weights(seed)`, so the pipelined model is the
-single-process model cut into slices. Under Interleaved1F1B stage k builds v chunks, the virtual
-stages `Transformer.stage(cfg, c * P + k, P * v)` for c < v (each its own DDP; one optimizer and
+builds `target.build_stage(k, P)` (target.models: a preset's `Transformer.stage` with the seeded
+init, or a Hugging Face model's `HFStage` with its checkpoint's weights), so the pipelined model is
+the single-process model cut into slices. Under Interleaved1F1B stage k builds v chunks, the virtual
+stages `build_stage(c * P + k, P * v)` for c < v (each its own DDP; one optimizer and
 one checkpoint per rank over all of them, as an `nn.ModuleList`). Gradient accumulation over
 microbatches, one optimizer step per step; DDP (gloo on CPU, nccl on CUDA) averages gradients
 across replicas per stage.
@@ -13,6 +14,10 @@ Per step: `StageExecutor.run` (pipeline.py), optimizer step, the loss travels fr
 of replica 0 to rank 0 (progress), metrics, and every `checkpoint.everySteps` a checkpoint plus
 the shared embedding / LM head files. Checkpoint step N means "N steps done"; a resumed run
 continues with step N and reproduces the uninterrupted run bitwise on CPU.
+
+An HF target with tied embeddings split across stages keeps its two copies (first stage's embedding,
+last stage's head) equal by summing their gradients over a [first, last] group before each
+optimizer step; at the end its stages write the trained model in Hugging Face's layout (hf.save).
 
 Setup, checkpoints, metrics, the ring and SIGTERM are the shared runtime's (spectrain_workloads.runtime).
 """
@@ -30,15 +35,15 @@ import torch.distributed as dist
 from spectrain_workloads.checkpoint import rng_state, set_rng_state
 from spectrain_workloads.config import JobConfig
 from spectrain_workloads.contract import require_valid
-from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus, resolve_source
+from spectrain_workloads.data import LoaderSpec, TokenLoader, resolve_source
 from spectrain_workloads.errors import ConfigError
-from spectrain_workloads.model import ModelConfig, Transformer, model_config
+from spectrain_workloads.model import ModelConfig
 from spectrain_workloads.runtime import RankInfo, Runtime, TargetOptions
 from spectrain_workloads.target.imbalance_watch import block_alarm_in_new_threads, unblock_alarm
 from spectrain_workloads.target.instrument import Instrument, InstrumentOptions
+from spectrain_workloads.target.models import TargetModel, resolve_target
 from spectrain_workloads.target.pipeline import StageExecutor, make_comm_hook
 from spectrain_workloads.target.schedule import Schedule
-from spectrain_workloads.tokenizer import ByteTokenizer
 
 _LOSS_TAG = 1 << 20
 
@@ -48,6 +53,7 @@ class TrainingLayout:
     """How this job's ranks and model are arranged."""
 
     model: ModelConfig
+    target: TargetModel
     schedule: Schedule
     data: int
     pipeline: int
@@ -62,10 +68,11 @@ def make_layout(cfg: JobConfig, world: int) -> TrainingLayout:
         raise ConfigError(
             f"spec.target.parallelism: data ({par.data}) x pipeline ({par.pipeline}) = {par.data * par.pipeline} "
             f"but WORLD_SIZE is {world}; run nodes x procsPerNode = {cfg.world_size} ranks")
-    mcfg = model_config(t.model.preset, t.model.overrides, vocab_size=ByteTokenizer.vocab_size)
+    target = resolve_target(cfg)
     schedule = Schedule(name=par.schedule, n_stages=par.pipeline, microbatches=par.microbatches)
     resolve_source(t.data.source)
-    return TrainingLayout(model=mcfg, schedule=schedule, data=par.data, pipeline=par.pipeline)
+    return TrainingLayout(model=target.config, target=target, schedule=schedule, data=par.data,
+                          pipeline=par.pipeline)
 
 
 def train(cfg: JobConfig, opts: TargetOptions, rank: RankInfo) -> list[float | None]:
@@ -75,7 +82,7 @@ def train(cfg: JobConfig, opts: TargetOptions, rank: RankInfo) -> list[float | N
     P, D = plan.pipeline, plan.data
     block_alarm_in_new_threads()     # the Instrument's imbalance alarm goes to this thread only
     stage, replica = rank.rank % P, rank.rank // P
-    corpus = load_corpus(t.data.source, max_bytes=opts.data_max_bytes)
+    corpus = plan.target.load_corpus(t.data.source, max_bytes=opts.data_max_bytes)
     loader = TokenLoader(corpus, LoaderSpec(seq_len=t.data.seq_len, batch_size=t.data.batch_size,
                                             data_parallel=D, replica=replica, seed=cfg.seed, skew=opts.skew))
     rt = Runtime.start(cfg, opts, rank)
@@ -87,14 +94,18 @@ def train(cfg: JobConfig, opts: TargetOptions, rank: RankInfo) -> list[float | N
             dp_group = g
     if P > 1:
         fwd_group, bwd_group = dist.new_group(list(range(rank.world))), dist.new_group(list(range(rank.world)))
+    tied_group = None   # an HF target with tied embeddings split across stages: its first and last stage
+    if plan.target.is_hf and plan.model.tie_embeddings and P > 1:
+        for d in range(D):
+            g = dist.new_group([d * P, d * P + P - 1])
+            if d == replica and stage in (0, P - 1):
+                tied_group = g
     fwd_wrap = bwd_wrap = None
     if P > 1 and plan.schedule.chunks > 1:   # interleaved: the ring's wrap-around link gets its own groups
         fwd_wrap, bwd_wrap = dist.new_group(list(range(rank.world))), dist.new_group(list(range(rank.world)))
 
     V = plan.schedule.chunks                       # model chunks per rank (Interleaved1F1B: > 1)
-    chunks = [Transformer.stage(plan.model, c * P + stage, P * V) for c in range(V)]
-    for chunk in chunks:
-        chunk.init_weights(cfg.seed)
+    chunks = [plan.target.build_stage(c * P + stage, P * V) for c in range(V)]
     module: torch.nn.Module = chunks[0] if V == 1 else torch.nn.ModuleList(chunks)
     module.to(device)
     from spectrain_workloads.optim import build_optimizer
@@ -155,7 +166,7 @@ def train(cfg: JobConfig, opts: TargetOptions, rank: RankInfo) -> list[float | N
         head, tail = chunks[0], chunks[-1]    # embedding: virtual stage 0; LM head: the last one
         rt.save_shared(embedding=head.tok_embeddings.weight if head.tok_embeddings is not None else None,
                        lm_head=tail.output.weight if tail.output is not None else None,
-                       model_config=plan.model.to_dict() if last else None)
+                       model_config=plan.target.shared_config() if last else None)
 
     def save(step: int) -> None:
         ckpt.save(step, state_at_boundary())
@@ -188,6 +199,9 @@ def train(cfg: JobConfig, opts: TargetOptions, rank: RankInfo) -> list[float | N
             if term.requested.wait(timeout=min(5.0, opts.term_grace_s / 4)):
                 rt.exit_terminated(term, save, boundary["step"])
             raise
+        if tied_group is not None:   # one tied matrix in two places: both take the sum of their gradients
+            tied = chunks[0].tok_embeddings if stage == 0 else chunks[-1].output
+            dist.all_reduce(tied.weight.grad, group=tied_group)
         with term.state_lock:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -217,6 +231,8 @@ def train(cfg: JobConfig, opts: TargetOptions, rank: RankInfo) -> list[float | N
         loss_send.wait()
     if term.requested.is_set():
         rt.exit_terminated(term, save, boundary["step"])
+    if plan.target.is_hf:
+        save_hf_layout(plan, chunks, rt, stage=stage, replica=replica)
     executor.close()
     if publisher is not None:
         publisher.close()
@@ -225,6 +241,25 @@ def train(cfg: JobConfig, opts: TargetOptions, rank: RankInfo) -> list[float | N
         producer.close()
     rt.close()
     return losses
+
+
+def save_hf_layout(plan: TrainingLayout, chunks: list[torch.nn.Module], rt: Runtime, *, stage: int,
+                   replica: int) -> None:
+    """The trained target in Hugging Face's layout at $RUN_DIR/target/hf (hf.save): replica 0's
+    stages each write a shard, then rank 0 the index, config and tokenizer."""
+    from spectrain_workloads.hf import save as hf_save
+
+    out = rt.opts.run_dir / "target" / "hf"
+    P, V = plan.pipeline, plan.schedule.chunks
+    if replica == 0:
+        for c, chunk in enumerate(chunks):
+            hf_save.write_shard(out, c * P + stage, P * V, chunk.hf_state_dict())
+    if dist.is_initialized():
+        dist.barrier()
+    if rt.rank.rank == 0:
+        assert plan.target.source is not None
+        dtype = next(chunks[0].parameters()).dtype
+        hf_save.finish(out, plan.target.source, P * V, plan.target.tokenizer(), dtype)
 
 
 def instrumented_step(step: int, interleave: int) -> bool:

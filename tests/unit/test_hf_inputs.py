@@ -1,0 +1,142 @@
+"""Bad inputs for a Hugging Face target, each a clear error naming the field before any training:
+preset and path both set, a hub id, overrides with a path, a missing config.json, an unsupported
+architecture, missing tokenizer files, .bin-only or unreadable safetensors, a shard the index
+names but that is missing, a tokenizer larger than the vocabulary, a pipeline that does not divide
+the layers, a sequence longer than the model's positions or its sliding window, and a drafter
+trained for another model. Tiny models are built here with transformers (no hub)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from spectrain_workloads.config import from_manifest
+from spectrain_workloads.contract import check_spec
+from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.hf.source import inspect
+from tests.hf_models import build_model
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("llama") / "m", "LlamaForCausalLM", layers=2)
+
+
+def copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def job(model: dict, **target: object) -> dict:
+    return {"apiVersion": "spectrain.io/v1alpha1", "kind": "SpecTrainJob", "metadata": {"name": "j"},
+            "spec": {"target": {"image": "x", "model": model, **target}}}
+
+
+@pytest.mark.parametrize("model,field,words", [
+    ({"preset": "debug", "path": "file:///m"}, "spec.target.model", "exclusive"),
+    ({"path": "meta-llama/Llama-3.2-1B"}, "spec.target.model.path", "download the model into a volume"),
+    ({"path": "file://rel/dir"}, "spec.target.model.path", "absolute"),
+    ({"path": "s3://bucket/m"}, "spec.target.model.path", "file:///abs/dir or pvc://"),
+    ({"path": "file:///m", "overrides": {"dim": 8}}, "spec.target.model.overrides", "remove overrides"),
+])
+def test_contract_refuses(model: dict, field: str, words: str) -> None:
+    errors = check_spec(from_manifest(job(model)))
+    assert any(e.startswith(field) and words in e for e in errors), errors
+
+
+def test_contract_refuses_other_modes_with_a_path() -> None:
+    m = job({"path": "file:///m"}, parallelism={"pipeline": 2, "data": 1}, nodes=2)
+    m["spec"]["mode"] = "AsyncPipeline"
+    assert any("mode AsyncPipeline" in e for e in check_spec(from_manifest(m)))
+
+
+def test_a_good_directory_passes(llama: Path) -> None:
+    src = inspect(f"file://{llama}")
+    assert src.arch == "LlamaForCausalLM" and src.n_layers == 2 and src.model_config.dim == 64
+
+
+def test_directory_problems_name_the_file_and_the_fix(llama: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        inspect(f"file://{tmp_path}/nowhere")
+    d = copy(llama, tmp_path / "noconfig")
+    (d / "config.json").unlink()
+    with pytest.raises(ConfigError, match=r"config\.json is missing"):
+        inspect(f"file://{d}")
+    d = copy(llama, tmp_path / "gpt2")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match=r"'GPT2LMHeadModel'.*not supported; supported: LlamaForCausalLM, "
+                                          r"Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM"):
+        inspect(f"file://{d}")
+    d = copy(llama, tmp_path / "notok")
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=r"tokenizer files \['tokenizer\.json'\] are missing"):
+        inspect(f"file://{d}")
+    d = copy(llama, tmp_path / "bin")
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match=r"neither model\.safetensors nor .*\.bin weights are not read"):
+        inspect(f"file://{d}")
+    d = copy(llama, tmp_path / "garbage")
+    (d / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ConfigError, match=r"not a readable safetensors file"):
+        inspect(f"file://{d}")
+    d = copy(llama, tmp_path / "index")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00002.safetensors"}}))
+    with pytest.raises(ConfigError, match=r"names model-00002\.safetensors, which is missing"):
+        inspect(f"file://{d}")
+
+
+def test_missing_tensors_and_a_small_vocabulary_are_refused(llama: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from spectrain_workloads.hf.tokenizer import HFTokenizer
+
+    d = copy(llama, tmp_path / "partial")
+    tensors = load_file(str(d / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"lack 1 tensor.*model\.layers\.1\.mlp\.up_proj\.weight"):
+        inspect(f"file://{d}")
+    with pytest.raises(ConfigError, match=r"tokenizer .* has \d+ tokens but config\.json's vocab_size is 100"):
+        HFTokenizer(llama, model_vocab=100)
+
+
+def test_layout_rules_use_the_models_own_sizes(llama: Path, tmp_path: Path) -> None:
+    from spectrain_workloads.target.models import resolve_target
+
+    three = job({"path": f"file://{llama}"}, nodes=3, parallelism={"pipeline": 3, "microbatches": 3})
+    with pytest.raises(ConfigError, match=r"3 stages do not divide the model's 2 layers"):
+        resolve_target(from_manifest(three))
+    long = job({"path": f"file://{llama}"}, data={"seqLen": 512})
+    with pytest.raises(ConfigError, match=r"seqLen: 512 exceeds the model's max_position_embeddings 256"):
+        resolve_target(from_manifest(long))
+    mistral = build_model(tmp_path / "mistral", "MistralForCausalLM", layers=2)
+    cfg = json.loads((mistral / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps({**cfg, "sliding_window": 32}))
+    windowed = job({"path": f"file://{mistral}"}, data={"seqLen": 64})
+    with pytest.raises(ConfigError, match=r"sliding_window 32; sliding-window attention is not supported"):
+        resolve_target(from_manifest(windowed))
+
+
+def test_generate_refuses_a_drafter_of_another_model(llama: Path, tmp_path: Path) -> None:
+    from spectrain_workloads import generate
+    from spectrain_workloads.drafter.export import export_drafter
+    from spectrain_workloads.drafter.hf_eagle import HFEagleDrafter
+
+    other = build_model(tmp_path / "wide", "LlamaForCausalLM", layers=2, vocab=384)
+    drafter = HFEagleDrafter(json.loads((other / "config.json").read_text()))
+    export_drafter(tmp_path / "export", 1, drafter, {})
+    args = argparse.Namespace(model=str(llama), drafter=str(tmp_path / "export"), prompt="x = 1", prompts=None,
+                              max_new_tokens=4, temperature=0.0, seed=0, draft_tokens=2, compare=False, json=True)
+    with pytest.raises(ConfigError, match=r"--drafter .*trained for another model \(vocab size 384 vs the "
+                                          r"target's 512\)"):
+        generate.generate(args)
+    args.prompt, args.prompts = None, None
+    with pytest.raises(ConfigError, match="exactly one of --prompt TEXT or --prompts FILE"):
+        generate.generate(args)

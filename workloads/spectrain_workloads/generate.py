@@ -1,0 +1,151 @@
+"""`spectrain generate`: lossless speculative decoding with an HF target and an exported drafter.
+
+    spectrain generate --model DIR --drafter DIR (--prompt TEXT | --prompts FILE)
+        [--max-new-tokens N] [--temperature T] [--seed S] [--draft-tokens K] [--compare] [--json]
+
+The target is the model directory (a Hugging Face layout: the source of a job, or the trained
+$RUN_DIR/target/hf); the drafter is an export root ($SPECTRAIN_EXPORT_DIR, follows LATEST) or one
+of its v<N> directories. Decoding is the project's rollout engine (rl.rollout: static KV caches,
+rejection-sampling verification), so the output distribution is the target's own: at
+temperature 0 the tokens are the target's greedy tokens (transformers' generate(do_sample=False)).
+Prompts are tokenized as transformers does (`tokenizer(text).input_ids`, specials included).
+--compare decodes the same prompts without the drafter too and reports the speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from spectrain_workloads.errors import ConfigError
+
+
+def load_target(model_dir: str) -> tuple[Any, Any, Any]:
+    """(HFStage in eval mode, HFTokenizer, ModelDir) for a Hugging Face model directory."""
+    from spectrain_workloads.hf.source import inspect
+    from spectrain_workloads.hf.stage import HFStage
+    from spectrain_workloads.hf.tokenizer import HFTokenizer
+
+    uri = model_dir if "://" in model_dir else f"file://{Path(model_dir).resolve()}"
+    source = inspect(uri)
+    target = HFStage.stage(source, 0, 1)
+    target.load_weights(source)
+    return target.eval(), HFTokenizer(source.root, model_vocab=source.model_config.vocab_size), source
+
+
+def load_matching_drafter(drafter_dir: str, source: Any) -> tuple[Any, dict[str, Any]]:
+    """The exported drafter, refused (naming both) when it was trained for another target."""
+    from spectrain_workloads.drafter.export import load_drafter
+
+    module, meta = load_drafter(drafter_dir)
+    want = source.model_config
+    got = module.cfg
+    problems = [f"{name} {getattr(got, attr)} vs the target's {getattr(want, attr)}"
+                for name, attr in (("vocab size", "vocab_size"), ("hidden size", "dim"))
+                if getattr(got, attr) != getattr(want, attr)]
+    if problems:
+        raise ConfigError(f"--drafter {drafter_dir}: trained for another model ({'; '.join(problems)}); export a "
+                          f"drafter from a job on --model {source.root}")
+    hf = meta.get("hf_target_config")
+    if meta.get("arch") == "Eagle" and hf is None:
+        raise ConfigError(f"--drafter {drafter_dir}: an Eagle drafter of a preset target; an HF model needs the "
+                          "drafter a job on that model exports")
+    if hf is not None and hf.get("architectures") != source.config.get("architectures"):
+        raise ConfigError(f"--drafter {drafter_dir}: trained for {hf.get('architectures')}, the target is "
+                          f"{source.config.get('architectures')}")
+    return module, meta
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    if (args.prompt is None) == (args.prompts is None):
+        raise ConfigError("give exactly one of --prompt TEXT or --prompts FILE (one prompt per line)")
+    if args.prompt is not None:
+        return [args.prompt]
+    try:
+        lines = [ln.rstrip("\n") for ln in Path(args.prompts).read_text().splitlines()]
+    except OSError as exc:
+        raise ConfigError(f"--prompts {args.prompts}: {exc.strerror}") from exc
+    prompts = [ln for ln in lines if ln.strip()]
+    if not prompts:
+        raise ConfigError(f"--prompts {args.prompts}: no non-empty line")
+    return prompts
+
+
+def generate(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from spectrain_workloads.rl.rollout import RolloutConfig, RolloutEngine
+
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    prompts = _prompts(args)
+    torch.manual_seed(args.seed)
+    target, tok, source = load_target(args.model)
+    drafter, _ = load_matching_drafter(args.drafter, source)
+    ids = [list(tok.tok(p).input_ids) for p in prompts]
+    if any(not p for p in ids):
+        raise ConfigError("a prompt tokenizes to nothing; give at least one character")
+    eos = source.config.get("eos_token_id", tok.EOS)
+    cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        eos_id=eos[0] if isinstance(eos, list) else eos, speculative=True,
+                        max_draft_tokens=args.draft_tokens, strategy="Fixed", batch_threshold=len(ids),
+                        seed=args.seed)
+    need = max(map(len, ids)) + cfg.max_new_tokens + cfg.max_draft_tokens + 2
+    if need > source.model_config.max_seq_len:
+        raise ConfigError(f"--max-new-tokens: prompt + {cfg.max_new_tokens} new + {cfg.max_draft_tokens} drafts "
+                          f"+ 2 = {need} exceeds the model's max_position_embeddings "
+                          f"{source.model_config.max_seq_len}; lower --max-new-tokens")
+    engine = RolloutEngine(target, cfg, drafter)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        res = engine.generate(ids)
+        spec_s = time.perf_counter() - t0
+        tokens = sum(len(r) for r in res.responses)
+        out: dict[str, Any] = {
+            "completions": [{"text": tok.decode(r), "token_ids": r} for r in res.responses],
+            "acceptance_length": res.stats.acceptance_length,
+            "tokens_per_s": tokens / spec_s,
+        }
+        if args.compare:
+            plain = RolloutEngine(target, RolloutConfig(**{**cfg.__dict__, "speculative": False}))
+            t0 = time.perf_counter()
+            base = plain.generate(ids)
+            plain_s = time.perf_counter() - t0
+            out["speedup_vs_plain"] = (tokens / spec_s) / (sum(len(r) for r in base.responses) / plain_s)
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face model directory (the target)")
+    p.add_argument("--drafter", required=True, help="drafter export root or v<N> directory")
+    p.add_argument("--prompt", default=None, help="one prompt")
+    p.add_argument("--prompts", default=None, help="file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-tokens", type=int, default=4, help="drafted tokens per verification (1..32)")
+    p.add_argument("--compare", action="store_true", help="also decode without the drafter: speedup_vs_plain")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        out = generate(args)
+    except ConfigError as exc:
+        print(f"spectrain generate: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    for c in out["completions"]:
+        print(c["text"])
+        print("---")
+    figures = {k: v for k, v in out.items() if k != "completions"}
+    print("  ".join(f"{k} {v:.3g}" for k, v in figures.items()))
+    return 0
