@@ -146,6 +146,33 @@ def test_export_conforms_and_generate_matches_transformers_greedy(trained: dict[
     assert out["acceptance_length"] >= 1.0 and out["tokens_per_s"] > 0
 
 
+def test_a_short_job_leaves_a_drafter_generate_loads(tmp_path: Path) -> None:
+    """A job over before its drafter could train still exports one (its initial weights at worst),
+    so `spectrain generate` on the trained model works and stays transformers' greedy decoding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = build_model(tmp_path / "model", "LlamaForCausalLM", layers=2, seed=9)
+    job = job_for(model)
+    job["spec"]["target"]["steps"], job["spec"]["target"]["checkpoint"] = 4, {"everySteps": 2}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    res = subprocess.run([*SPECTRAIN, "run", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run"), "-q"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run = tmp_path / "run" / "run"
+    prompt = "import os\n"
+    res = subprocess.run([*SPECTRAIN, "generate", "--model", str(run / "target" / "hf"), "--drafter",
+                          str(run / "drafter"), "--prompt", prompt, "--max-new-tokens", "16", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])["completions"][0]["token_ids"]
+    tok = AutoTokenizer.from_pretrained(str(run / "target" / "hf"))
+    ref_model = AutoModelForCausalLM.from_pretrained(str(run / "target" / "hf")).eval()
+    ids = torch.tensor([tok(prompt).input_ids])
+    ref = ref_model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.size(1):].tolist()
+    eos = ref_model.config.eos_token_id
+    assert got == (ref[: ref.index(eos) + 1] if eos in ref else ref)
+
+
 def test_rl_smoke_with_an_hf_target(tmp_path: Path) -> None:
     """Mode RL on a tiny Llama: its tokenizer encodes the task, rollouts run the project's engine on
     the HF layers with the drafter built of the same layer class, and the rewards are logged."""

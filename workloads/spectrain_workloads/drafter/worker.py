@@ -33,7 +33,7 @@ from spectrain_workloads.drafter.combiner import (
 from spectrain_workloads.drafter.fleet import Fleet
 from spectrain_workloads.drafter.gating import UNIT_KEY, Budget, CostModel, Gate, WindowTracker
 from spectrain_workloads.drafter.metrics import NO_WINDOW, Metrics, write_summary
-from spectrain_workloads.drafter.models import load_target_shared, shared_stamp
+from spectrain_workloads.drafter.models import TargetShared, load_target_shared, shared_stamp
 from spectrain_workloads.drafter.replicas import Replicas
 from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.drafter.train import DrafterTrainer
@@ -152,6 +152,15 @@ class Worker:
                     self._checkpoint("combined")          # the coordinator exports the last version
             if self.trainer is not None and self.combiner.optimizer_steps > self.steps_at_ckpt:
                 self._checkpoint("shutdown")
+            if self.export_dir is not None and self.version == 0 and self.s.policy != "Off":
+                # The job ended before anything was exported (a run shorter than the drafter's start):
+                # export what there is, the initial drafter at worst, so every job leaves a drafter
+                # that loads for its target (speculation with it stays lossless).
+                shared = load_target_shared(self.run_dir) if self.trainer is None else None
+                if shared is not None:
+                    self._build_trainer(shared)
+                if self.trainer is not None:
+                    self._checkpoint("final")
             self.metrics.flush_unwindowed()
             self.reason = "Stopped"
             self._publish()
@@ -187,6 +196,12 @@ class Worker:
                 self._housekeeping()
         if shared is None:
             return False
+        self._build_trainer(shared)
+        self._set_state("Waiting", "NoData" if not self.buffer.trainable() else "NoWindow")
+        return True
+
+    def _build_trainer(self, shared: TargetShared) -> None:
+        """The drafter for the target's shared weights, resumed from its newest checkpoint."""
         self._stamp = shared.stamp
         t0 = time.monotonic_ns()
         trainer = DrafterTrainer(self.s, shared, self.device)
@@ -204,8 +219,6 @@ class Worker:
         if self.replicas is not None:
             self.replicas.start(trainer.model, self.combiner.samples_trained, self.version)
         self.metrics.log("setup", resumed_version=resumed and self.version, setup_ns=time.monotonic_ns() - t0)
-        self._set_state("Waiting", "NoData" if not self.buffer.trainable() else "NoWindow")
-        return True
 
     def _measure_due(self) -> bool:
         """Never measured, or idle with data for longer than the back-off (see REMEASURE_AFTER_S)."""
