@@ -22,33 +22,22 @@ Shapes: B batch, T positions, H target width, V vocab, n_kv key/value heads, d h
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
-from spectrain_workloads.contract import ModelConfig
 from spectrain_workloads.drafter.models import EagleDrafter
 from spectrain_workloads.hf.arch import StaticKV, head_dim, hf_config, parts, rotary_positions
+from spectrain_workloads.hf.source import sizes
 from spectrain_workloads.model import causal_decode_mask
 
 
-def _rope_theta(cfg: Any) -> float:
+def rope_theta(cfg: Any) -> float:
+    """rope_theta of a transformers config (rope_parameters in 5.x, a plain field before)."""
     params = getattr(cfg, "rope_parameters", None) or {}
     return float(params.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
-
-
-def summary_config(cfg: Any) -> ModelConfig:
-    """The project's ModelConfig view of an HF config: the sizes the drafter code reads from `.cfg`.
-
-    head_dim is not in ModelConfig (it derives dim // n_heads); Qwen3's explicit head_dim is read
-    from the HF config wherever it matters (`hf.arch.head_dim`)."""
-    return ModelConfig(vocab_size=cfg.vocab_size, dim=cfg.hidden_size, n_layers=1,
-                       n_heads=cfg.num_attention_heads,
-                       n_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                       ffn_dim=cfg.intermediate_size, max_seq_len=cfg.max_position_embeddings,
-                       rope_theta=_rope_theta(cfg), norm_eps=cfg.rms_norm_eps,
-                       tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))
 
 
 class HFEagleDrafter(EagleDrafter):
@@ -68,7 +57,7 @@ class HFEagleDrafter(EagleDrafter):
         self.target_config = dict(target_config)   # kept for the export (target hash, serving config)
         self.hf_cfg = hf_config(self.target_config)
         self.hf_arch: str = self.target_config["architectures"][0]
-        self.cfg = summary_config(self.hf_cfg)
+        self.cfg = dataclasses.replace(sizes(self.target_config), n_layers=1)   # the sizes `.cfg` readers use
         H, V = self.cfg.dim, self.cfg.vocab_size
         p = parts(self.hf_arch)
         self.embed = nn.Embedding(V, H)

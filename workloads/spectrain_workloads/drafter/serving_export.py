@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from spectrain_workloads.drafter.export import _atomic_dir
-from spectrain_workloads.drafter.hf_eagle import HFEagleDrafter, _rope_theta
+from spectrain_workloads.drafter.hf_eagle import HFEagleDrafter, rope_theta
 from spectrain_workloads.drafter.models import config_digest
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.hf.arch import head_dim
@@ -132,7 +132,7 @@ def serving_config(drafter: HFEagleDrafter, layout: Layout, dtype: str) -> dict[
     """config.json of the export: the target's sizes, one layer, and what the loader reads."""
     c, t = drafter.hf_cfg, drafter.target_config
     rope = dict(getattr(c, "rope_parameters", None) or {})
-    theta = _rope_theta(c)
+    theta = rope_theta(c)
     scaling = None if rope.get("rope_type", "default") == "default" else {k: v for k, v in rope.items()
                                                                          if k != "rope_theta"}
     config: dict[str, Any] = {
