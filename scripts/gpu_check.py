@@ -94,15 +94,21 @@ def bench_keys(name: str, mapping: Mapping[str, str]) -> Callable[[Path], dict[s
     return collect
 
 
-def junit_keys(scratch: Path) -> dict[str, Any]:
-    """tests/gpu's counts from pytest's junit XML; all skipped (e.g. no MPS binary) -> CheckSkipped."""
-    cases = list(ET.parse(scratch / "junit.xml").getroot().iter("testcase"))
-    failed = sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
-    skips = [s for c in cases if (s := c.find("skipped")) is not None]
-    if cases and len(skips) == len(cases):
-        raise CheckSkipped("; ".join(sorted({s.get("message", "") for s in skips})) or "every test skipped")
-    return {"tests_gpu_passed": len(cases) - failed - len(skips), "tests_gpu_failed": failed,
-            "tests_gpu_skipped": len(skips)}
+def junit_counts(prefix: str) -> Callable[[Path], dict[str, Any]]:
+    """`<prefix>_{passed,failed,skipped}` from pytest's junit XML; all skipped (e.g. no MPS binary) ->
+    CheckSkipped."""
+    def collect(scratch: Path) -> dict[str, Any]:
+        cases = list(ET.parse(scratch / "junit.xml").getroot().iter("testcase"))
+        failed = sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
+        skips = [s for c in cases if (s := c.find("skipped")) is not None]
+        if cases and len(skips) == len(cases):
+            raise CheckSkipped("; ".join(sorted({s.get("message", "") for s in skips})) or "every test skipped")
+        return {f"{prefix}_passed": len(cases) - failed - len(skips), f"{prefix}_failed": failed,
+                f"{prefix}_skipped": len(skips)}
+    return collect
+
+
+junit_keys = junit_counts("tests_gpu")     # tests/gpu but the HF file (its own check, hf-bf16)
 
 
 def nvml_keys(scratch: Path) -> dict[str, Any]:
@@ -125,15 +131,19 @@ TARGET_KEYS = ["pred_error_median_bubble", "pred_error_median_comm", "instrument
                "pred_error_median_comm_pp_send", "pred_error_median_comm_pp_recv",
                "bubble_fraction_measured_small_p2_m4"]
 ROLLOUT_KEYS = ["speedup_bs1", "speedup_bs4", "speedup_bs16", "speedup_bs64", "min_speedup",
-                "acceptance_length", "cuda_graphs_captured", "greedy_rows_identical"]
-NO_HF = "no HF targets in spectrain yet (model presets only): no HF model to run through generate in bf16"
+                "acceptance_length", "cuda_graphs_captured", "greedy_rows_identical",
+                "speedup_bs1_t1", "speedup_bs4_t1", "speedup_bs16_t1", "speedup_bs64_t1", "min_speedup_t1",
+                "acceptance_length_t1", "cuda_graphs_captured_t1"]
+HF_TESTS = "tests/gpu/test_hf_cuda.py"
 
 
 def default_checks(python: str = sys.executable) -> list[Check]:
     """The checks, most wanted first: with little time left, the later ones are the ones left out."""
     cuda = {"SPECTRAIN_DEVICE": "cuda"}
     pytest = (python, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
-              "--junitxml={scratch}/junit.xml")
+              "--junitxml={scratch}/junit.xml", f"--ignore={HF_TESTS}")
+    hf = (python, "-m", "pytest", HF_TESTS, "-m", "gpu", "-q", "-rs", "-s", "-p", "no:cacheprovider",
+          "--junitxml={scratch}/junit.xml")
     harvest = (python, "-m", "bench.harvest", "--quick")
     return [
         Check("nvml", (python, "-c", NVML_REPORT, "{scratch}"), 15, needs=("pynvml",), collect=nvml_keys),
@@ -142,14 +152,14 @@ def default_checks(python: str = sys.executable) -> list[Check]:
               collect=bench_keys("harvest_gpu", suffixed(SHARING_KEYS, "_gpu"))),
         Check("target", (python, "-m", "bench.target"), 85, needs=("numpy",), env=cuda,
               collect=bench_keys("target_gpu", suffixed(TARGET_KEYS, "_gpu"))),
-        Check("rollout", (python, "-m", "bench.rollout"), 55, needs=("numpy",), env=cuda,
+        Check("rollout", (python, "-m", "bench.rollout"), 120, needs=("numpy",), env=cuda,
               collect=bench_keys("rollout_gpu", suffixed(ROLLOUT_KEYS, "_gpu"))),
         Check("rl", (python, "-m", "bench.rl", "--quick"), 60, needs=("numpy",), env=cuda,
               collect=bench_keys("rl_gpu", {"rl_step_speedup": "rl_step_speedup_gpu",
                                             "rollout_speedup": "rl_rollout_speedup_gpu"})),
         Check("sharing-nomps", harvest, 85, needs=("numpy", "safetensors"), env=cuda,
               collect=bench_keys("harvest_gpu", suffixed(SHARING_KEYS, "_gpu_nomps"))),
-        Check("hf-bf16", (), 30, needs=("transformers",), skip=NO_HF),
+        Check("hf-bf16", hf, 90, needs=("pytest", "transformers"), collect=junit_counts("hf_bf16_tests")),
     ]
 
 

@@ -133,7 +133,8 @@ def test_generate_refuses_a_drafter_of_another_model(llama: Path, tmp_path: Path
     drafter = HFEagleDrafter(json.loads((other / "config.json").read_text()))
     export_drafter(tmp_path / "export", 1, drafter, {})
     args = argparse.Namespace(model=str(llama), drafter=str(tmp_path / "export"), prompt="x = 1", prompts=None,
-                              max_new_tokens=4, temperature=0.0, seed=0, draft_tokens=2, compare=False, json=True)
+                              max_new_tokens=4, temperature=0.0, seed=0, draft_tokens=2, compare=False, json=True,
+                              device="cpu", dtype="auto")
     with pytest.raises(ConfigError, match=r"--drafter .*trained for another model \(vocab size 384 vs the "
                                           r"target's 512\)"):
         generate.generate(args)

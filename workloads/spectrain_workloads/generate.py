@@ -2,6 +2,7 @@
 
     spectrain generate --model DIR --drafter DIR (--prompt TEXT | --prompts FILE)
         [--max-new-tokens N] [--temperature T] [--seed S] [--draft-tokens K] [--compare] [--json]
+        [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16]
 
 The target is the model directory (a Hugging Face layout: the source of a job, or the trained
 $RUN_DIR/target/hf); the drafter is an export root ($SPECTRAIN_EXPORT_DIR, follows LATEST) or one
@@ -22,6 +23,23 @@ from pathlib import Path
 from typing import Any
 
 from spectrain_workloads.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def placement(device: str, dtype: str) -> tuple[Any, Any]:
+    """(torch.device, torch.dtype): auto is CUDA when there is one; its dtype bf16 there, fp32 on the CPU."""
+    import torch
+
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this torch sees no CUDA device; use --device cpu")
+    dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    return dev, dt or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
 
 
 def load_target(model_dir: str) -> tuple[Any, Any, Any]:
@@ -85,9 +103,11 @@ def generate(args: argparse.Namespace) -> dict[str, Any]:
     if args.temperature < 0:
         raise ConfigError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     prompts = _prompts(args)
+    device, dtype = placement(args.device, args.dtype)
     torch.manual_seed(args.seed)
     target, tok, source = load_target(args.model)
     drafter, _ = load_matching_drafter(args.drafter, source)
+    target, drafter = target.to(device, dtype), drafter.to(device, dtype)
     ids = [list(tok.tok(p).input_ids) for p in prompts]
     if any(not p for p in ids):
         raise ConfigError("a prompt tokenizes to nothing; give at least one character")
@@ -132,6 +152,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tokens", type=int, default=4, help="drafted tokens per verification (1..32)")
     p.add_argument("--compare", action="store_true", help="also decode without the drafter: speedup_vs_plain")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16")
 
 
 def main(args: argparse.Namespace) -> int:

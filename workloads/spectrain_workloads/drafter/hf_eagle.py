@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from spectrain_workloads.drafter.models import EagleDrafter
-from spectrain_workloads.hf.arch import StaticKV, head_dim, hf_config, parts, rotary_positions
+from spectrain_workloads.hf.arch import Rope, StaticKV, head_dim, hf_config, parts, rotary_positions
 from spectrain_workloads.hf.source import sizes
 from spectrain_workloads.model import causal_decode_mask
 
@@ -48,7 +48,6 @@ class HFEagleDrafter(EagleDrafter):
 
     arch = "Eagle"
     layers: nn.ModuleList
-    _rotary: nn.Module          # (config); forward(x, position_ids [1 or B, T]) -> (cos, sin)
     _kv: StaticKV | None
     _kv_len: int
 
@@ -69,9 +68,7 @@ class HFEagleDrafter(EagleDrafter):
         for w in (*self.embed.parameters(), *self.lm_head.parameters()):
             w.requires_grad_(False)   # frozen copies of the target's
         self._init_trainable()
-        # The rotary table stays out of the module tree: `.to(torch.bfloat16)` would round inv_freq
-        # to bf16, and the serving engines compute RoPE angles in fp32. forward moves it by device only.
-        object.__setattr__(self, "_rotary", p.rotary(config=self.hf_cfg))
+        self._rope = Rope(p.rotary, self.hf_cfg)   # out of the module tree: RoPE angles stay fp32
         self._kv: StaticKV | None = None
 
     def _init_trainable(self) -> None:
@@ -89,12 +86,6 @@ class HFEagleDrafter(EagleDrafter):
                     w.normal_(0.0, std)
 
     # ------------------------------------------------------------ forward
-    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rot = self._rotary
-        if rot.inv_freq.device != x.device:  # type: ignore[union-attr]
-            rot.to(x.device)
-        return rot(x, position_ids)   # cos, sin [1 or B, T, d] in x.dtype (angles computed in fp32)
-
     def forward(
         self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,

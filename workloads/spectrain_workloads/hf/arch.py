@@ -98,6 +98,20 @@ class StaticKV(nn.Module):
         return cache.update(self.pos, key_states, value_states)
 
 
+class Rope:
+    """transformers' rotary embedding, kept out of the module tree: a model's `.to(torch.bfloat16)`
+    would round inv_freq, while transformers and the serving engines compute the angles in fp32.
+    Follows its input's device; returns (cos, sin) [1 or B, T, d] in the input's dtype."""
+
+    def __init__(self, rotary: type[nn.Module], cfg: Any) -> None:
+        self.module = rotary(config=cfg)
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.module.inv_freq.device != x.device:   # type: ignore[union-attr]
+            self.module.to(x.device)
+        return self.module(x, position_ids)   # type: ignore[no-any-return]
+
+
 def rotary_positions(pos: torch.Tensor | None, T: int, device: Any) -> torch.Tensor:
     """position_ids [1 or B, T] for transformers' rotary embedding: 0..T-1 when training."""
     if pos is None:

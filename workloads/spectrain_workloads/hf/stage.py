@@ -26,17 +26,16 @@ import torch
 from torch import nn
 
 from spectrain_workloads.errors import ConfigError
-from spectrain_workloads.hf.arch import StaticKV, head_dim, hf_config, parts, rotary_positions
+from spectrain_workloads.hf.arch import Rope, StaticKV, head_dim, hf_config, parts, rotary_positions
 from spectrain_workloads.hf.source import ModelDir, sizes
 
 
 class _Body(nn.Module):
     """`<Arch>ForCausalLM.model`'s parts this stage holds (the names give the checkpoint's keys)."""
 
-    def __init__(self, embed_tokens: nn.Embedding | None, layers: nn.ModuleDict, norm: nn.Module | None,
-                 rotary_emb: nn.Module) -> None:
+    def __init__(self, embed_tokens: nn.Embedding | None, layers: nn.ModuleDict, norm: nn.Module | None) -> None:
         super().__init__()
-        self.embed_tokens, self.layers, self.norm, self.rotary_emb = embed_tokens, layers, norm, rotary_emb
+        self.embed_tokens, self.layers, self.norm = embed_tokens, layers, norm
 
 
 class HFStage(nn.Module):
@@ -50,8 +49,8 @@ class HFStage(nn.Module):
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.model = _Body(nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first else None,
                            nn.ModuleDict({str(i): p.decoder_layer(cfg, i) for i in self.layer_ids}),
-                           p.norm(cfg.hidden_size, eps=cfg.rms_norm_eps) if last else None,
-                           p.rotary(config=cfg))
+                           p.norm(cfg.hidden_size, eps=cfg.rms_norm_eps) if last else None)
+        self.rope = Rope(p.rotary, cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if last else None
         if first and last and self.tied:
             assert self.lm_head is not None and self.model.embed_tokens is not None
@@ -134,7 +133,7 @@ class HFStage(nn.Module):
         cache = self.cache if pos is not None else None
         if cache is not None:
             cache.pos = pos
-        cos_sin = self.model.rotary_emb(h, rotary_positions(pos, h.size(1), h.device))  # ([B|1, T, d],) * 2
+        cos_sin = self.rope(h, rotary_positions(pos, h.size(1), h.device))  # ([B|1, T, d],) * 2
         for layer in self.model.layers.values():
             h = layer(h, attention_mask=mask, position_embeddings=cos_sin, past_key_values=cache)
         if self.model.norm is None or self.lm_head is None:
