@@ -56,6 +56,29 @@ def test_hf_stage_in_bf16_is_transformers_and_decodes_with_its_cache(llama: Path
     assert torch.allclose(torch.cat([a, b], 1).float(), full.float(), atol=5e-2, rtol=5e-2)
 
 
+def test_a_training_step_on_cuda_runs_under_bf16_autocast(llama: Path) -> None:
+    """fp32 weights (the optimizer's copy), bf16 matmuls: the loss is within bf16 rounding of the fp32
+    forward's, and the gradients are fp32 and finite."""
+    import torch.nn.functional as F
+
+    from spectrain_workloads.hf.source import inspect
+    from spectrain_workloads.hf.stage import HFStage
+
+    src = inspect(f"file://{llama}")
+    stage = HFStage.stage(src, 0, 1)
+    stage.load_weights(src)
+    stage = stage.cuda()
+    x = torch.randint(0, 400, (4, 64), device="cuda")
+    loss = F.cross_entropy(stage(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
+    loss.backward()
+    stage.amp = False
+    with torch.no_grad():
+        ref = F.cross_entropy(stage(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+    grads = [p.grad for p in stage.parameters() if p.grad is not None]
+    assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+    assert abs(float(loss) - float(ref)) < 2e-2 * float(ref), (float(loss), float(ref))
+
+
 def test_generate_on_cuda_in_bf16(llama: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -195,3 +195,28 @@ def test_rl_smoke_with_an_hf_target(tmp_path: Path) -> None:
     assert all(0.0 <= r["reward"] <= 1.0 for r in steps)
     shared = json.loads((tmp_path / "run" / "run" / "target" / "shared" / "model_config.json").read_text())
     assert shared["hf_config"]["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_tied_pipeline_resume_is_bitwise(tmp_path: Path) -> None:
+    """An HF target (Qwen2, tied embeddings over 2 stages) stopped at a checkpoint and resumed gives the
+    uninterrupted run's losses bitwise (the target processes alone, as tests/launch.py runs them)."""
+    from tests.launch import launch_local, wait_all
+
+    model = build_model(tmp_path / "model", "Qwen2ForCausalLM", layers=2, tie=True, seed=4)
+
+    def run(root: Path, steps: int) -> list[float]:
+        job = job_for(model)
+        job["spec"]["target"]["steps"], job["spec"]["target"]["checkpoint"] = steps, {"everySteps": 3}
+        job["spec"]["target"]["data"] = {"source": "builtin:python-stdlib", "seqLen": 32, "batchSize": 4}
+        cfg = root / "job.json"
+        root.mkdir(exist_ok=True)
+        cfg.write_text(json.dumps(job))
+        procs = launch_local(cfg, 2, root, root / "ring", env={"SPECTRAIN_DATA_MAX_BYTES": str(CORPUS_BYTES)})
+        codes = wait_all(procs, 300)
+        assert codes == [0, 0], "\n".join(p.read_text()[-2000:] for p in sorted((root / "logs").glob("*.log")))
+        return step_losses(root)
+
+    whole = run(tmp_path / "whole", 6)
+    run(tmp_path / "split", 3)
+    resumed = run(tmp_path / "split", 6)
+    assert resumed == whole and len(whole) == 6

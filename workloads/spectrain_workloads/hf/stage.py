@@ -13,6 +13,10 @@ trainer's pipeline executor, the ring publisher and the rollout engine drive it 
       pos: None when training (positions 0..T-1, causal); [T] or [B, T] absolute positions when
       decoding with `setup_caches`, with `mask` [1 or B, 1, T, max_T] (model.causal_decode_mask).
 
+Precision: fp32 weights (the optimizer's master copy); on CUDA the forward runs under bf16 autocast
+(`amp`), so the matmuls are bf16 while the residual stream, the norms and the loss stay fp32 (the
+activations sent between stages are fp32 either way); on the CPU everything is fp32.
+
 Tied embeddings: on a single stage `lm_head.weight` is `embed_tokens.weight`; split across stages,
 the last stage holds a copy loaded from the embedding, and the trainer keeps the two equal by
 summing their gradients (target.trainer).
@@ -56,6 +60,7 @@ class HFStage(nn.Module):
             assert self.lm_head is not None and self.model.embed_tokens is not None
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cache: StaticKV | None = None       # a submodule while set up (the engine finds its KVCaches)
+        self.amp = True                          # bf16 autocast when the input is on CUDA
 
     # The names the trainer, the ring publisher and the hooks use for the project's own stages.
     @property
@@ -129,15 +134,16 @@ class HFStage(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                 return_hidden: bool = False) -> Any:
-        h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x   # [B, T, H]
-        cache = self.cache if pos is not None else None
-        if cache is not None:
-            cache.pos = pos
-        cos_sin = self.rope(h, rotary_positions(pos, h.size(1), h.device))  # ([B|1, T, d],) * 2
-        for layer in self.model.layers.values():
-            h = layer(h, attention_mask=mask, position_embeddings=cos_sin, past_key_values=cache)
-        if self.model.norm is None or self.lm_head is None:
-            return h
-        hidden = self.model.norm(h)
-        logits = self.lm_head(hidden)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.amp and x.is_cuda):
+            h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x   # [B, T, H]
+            cache = self.cache if pos is not None else None
+            if cache is not None:
+                cache.pos = pos
+            cos_sin = self.rope(h, rotary_positions(pos, h.size(1), h.device))  # ([B|1, T, d],) * 2
+            for layer in self.model.layers.values():
+                h = layer(h, attention_mask=mask, position_embeddings=cos_sin, past_key_values=cache)
+            if self.model.norm is None or self.lm_head is None:
+                return h
+            hidden = self.model.norm(h)
+            logits = self.lm_head(hidden)
         return (logits, hidden) if return_hidden else logits
