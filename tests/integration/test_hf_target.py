@@ -143,7 +143,8 @@ def test_export_conforms_and_generate_matches_transformers_greedy(trained: dict[
     got = out["completions"][0]["token_ids"]
     assert got == ref[: ref.index(eos) + 1] if eos in ref else got == ref
     assert out["completions"][0]["text"] == tok.decode(got, skip_special_tokens=True)
-    assert out["acceptance_length"] >= 1.0 and out["tokens_per_s"] > 0
+    # the adaptive controller may decode plainly throughout (then no verification: 0)
+    assert (out["acceptance_length"] == 0 or out["acceptance_length"] >= 1.0) and out["tokens_per_s"] > 0
 
 
 def test_a_short_job_leaves_a_drafter_generate_loads(tmp_path: Path) -> None:

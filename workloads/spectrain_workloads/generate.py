@@ -7,7 +7,8 @@
 The target is the model directory (a Hugging Face layout: the source of a job, or the trained
 $RUN_DIR/target/hf); the drafter is an export root ($SPECTRAIN_EXPORT_DIR, follows LATEST) or one
 of its v<N> directories. Decoding is the project's rollout engine (rl.rollout: static KV caches,
-rejection-sampling verification), so the output distribution is the target's own: at
+rejection-sampling verification, the adaptive controller choosing 0..K drafted tokens per step),
+so the output distribution is the target's own: at
 temperature 0 the tokens are the target's greedy tokens (transformers' generate(do_sample=False)).
 Prompts are tokenized as transformers does (`tokenizer(text).input_ids`, specials included).
 --compare decodes the same prompts without the drafter too and reports the speedup.
@@ -114,7 +115,7 @@ def generate(args: argparse.Namespace) -> dict[str, Any]:
     eos = source.config.get("eos_token_id", tok.EOS)
     cfg = RolloutConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         eos_id=eos[0] if isinstance(eos, list) else eos, speculative=True,
-                        max_draft_tokens=args.draft_tokens, strategy="Fixed", batch_threshold=len(ids),
+                        max_draft_tokens=args.draft_tokens, strategy="Bandit", batch_threshold=len(ids),
                         seed=args.seed)
     need = max(map(len, ids)) + cfg.max_new_tokens + cfg.max_draft_tokens + 2
     if need > source.model_config.max_seq_len:
@@ -149,7 +150,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-tokens", type=int, default=4, help="drafted tokens per verification (1..32)")
+    p.add_argument("--draft-tokens", type=int, default=4,
+                   help="most drafted tokens per verification (1..32); the adaptive controller picks 0..K per step")
     p.add_argument("--compare", action="store_true", help="also decode without the drafter: speedup_vs_plain")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu or cuda")
