@@ -143,6 +143,24 @@ def test_claims_checkpoint_export_and_read_only_data() -> None:
                                       ("spec.target.data.source", "corpus")]
 
 
+def test_an_hf_models_claim_is_mounted_read_only_beside_the_datas() -> None:
+    j = job()
+    j["spec"]["target"]["model"] = {"path": "pvc://models/llama-3.2-1b"}
+    j["spec"]["target"]["data"]["source"] = "pvc://corpus/text/en"
+    p, _ = builders.pod(j, 0)
+    vols = {v["name"]: v for v in p["spec"]["volumes"]}
+    assert vols["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert vols["data"]["persistentVolumeClaim"] == {"claimName": "corpus", "readOnly": True}
+    mounts = {m["name"]: m for m in p["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["model"] == {"name": "model", "mountPath": "/var/run/spectrain/data/models", "readOnly": True}
+    assert ("spec.target.model.path", "models") in spec.claims(j["spec"])
+    j["spec"]["target"]["model"] = {"path": "pvc://corpus/llama"}     # one claim for both: mounted once
+    p, _ = builders.pod(j, 0)
+    assert [v["name"] for v in p["spec"]["volumes"] if "persistentVolumeClaim" in v] == ["data"]
+    (cm,) = by_kind(builders.render(j))["ConfigMap"]        # the workloads read the path from here
+    assert json.loads(cm["data"][builders.CONFIG_KEY])["spec"]["target"]["model"]["path"] == "pvc://corpus/llama"
+
+
 def test_status_rbac_is_patch_on_own_pods_only() -> None:
     kinds = by_kind(builders.render(job()))
     (role,) = kinds["Role"]
