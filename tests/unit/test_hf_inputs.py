@@ -40,7 +40,7 @@ def job(model: dict, **target: object) -> dict:
 
 @pytest.mark.parametrize("model,field,words", [
     ({"preset": "debug", "path": "file:///m"}, "spec.target.model", "exclusive"),
-    ({"path": "meta-llama/Llama-3.2-1B"}, "spec.target.model.path", "download the model into a volume"),
+    ({"path": "meta-llama/Llama-3.2-1B"}, "spec.target.model.path", "download it into a volume first"),
     ({"path": "file://rel/dir"}, "spec.target.model.path", "absolute"),
     ({"path": "s3://bucket/m"}, "spec.target.model.path", "file:///abs/dir or pvc://"),
     ({"path": "file:///m", "overrides": {"dim": 8}}, "spec.target.model.overrides", "remove overrides"),

@@ -224,7 +224,7 @@ def check_spec(cfg: JobConfig) -> list[str]:
     return out
 
 
-HUB_ID_HINT = ("a Hugging Face hub id is not fetched at run time: download the model into a volume first "
+HUB_ID_HINT = ("a Hugging Face hub id is not fetched at run time: download it into a volume first "
                "(docs/bring-your-model.md) and give its directory")
 
 
