@@ -141,3 +141,18 @@ def test_generate_refuses_a_drafter_of_another_model(llama: Path, tmp_path: Path
     args.prompt, args.prompts = None, None
     with pytest.raises(ConfigError, match="exactly one of --prompt TEXT or --prompts FILE"):
         generate.generate(args)
+
+
+def test_generate_takes_an_lm_drafter_of_the_targets_vocabulary(llama: Path, tmp_path: Path) -> None:
+    """An LM drafter reads only tokens: its width may differ from the target's, its vocabulary not."""
+    from spectrain_workloads import generate
+    from spectrain_workloads.drafter.export import export_drafter
+    from spectrain_workloads.drafter.models import build_drafter
+    from spectrain_workloads.drafter.settings import DrafterSettings
+
+    src = inspect(f"file://{llama}")
+    lm = build_drafter(DrafterSettings(arch="LM"), src.model_config)
+    assert lm.cfg.dim != src.model_config.dim
+    export_drafter(tmp_path / "lm", 1, lm, {})
+    module, meta = generate.load_matching_drafter(str(tmp_path / "lm"), src)
+    assert meta["arch"] == "LM" and module.cfg.vocab_size == src.model_config.vocab_size

@@ -63,9 +63,11 @@ def load_matching_drafter(drafter_dir: str, source: Any) -> tuple[Any, dict[str,
     module, meta = load_drafter(drafter_dir)
     want = source.model_config
     got = module.cfg
+    # An Eagle drafter reads the target's hidden states (same width); an LM drafter only its tokens.
+    shared = (("vocab size", "vocab_size"), ("hidden size", "dim")) if meta.get("arch") == "Eagle" else \
+        (("vocab size", "vocab_size"),)
     problems = [f"{name} {getattr(got, attr)} vs the target's {getattr(want, attr)}"
-                for name, attr in (("vocab size", "vocab_size"), ("hidden size", "dim"))
-                if getattr(got, attr) != getattr(want, attr)]
+                for name, attr in shared if getattr(got, attr) != getattr(want, attr)]
     if problems:
         raise ConfigError(f"--drafter {drafter_dir}: trained for another model ({'; '.join(problems)}); export a "
                           f"drafter from a job on --model {source.root}")
