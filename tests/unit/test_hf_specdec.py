@@ -91,3 +91,21 @@ def test_cached_decode_of_an_hf_stage_is_transformers_forward() -> None:
         pos = torch.arange(7, 12)
         b = stage(x[:, 7:], pos, causal_decode_mask(pos, 16))
     assert torch.allclose(torch.cat([a, b], 1), want, atol=1e-6)
+
+
+def test_ragged_batch_speculative_greedy_equals_plain_on_an_hf_target() -> None:
+    """Rows of different lengths share each forward with per-row positions ([B, T] into StaticKV):
+    greedy speculative decoding gives each row exactly its plain greedy continuation."""
+    cfg = {**CONFIG, "vocab_size": 64, "num_hidden_layers": 2, "max_position_embeddings": 64}
+    torch.manual_seed(0)
+    target = HFStage(cfg, layers=range(2), first=True, last=True).eval()
+    drafter = HFEagleDrafter(cfg)
+    drafter.load_target_weights(target.model.embed_tokens.weight, target.lm_head.weight)   # type: ignore[union-attr]
+    prompts = [[1, 5, 9], [2], [3, 4, 5, 6, 7, 8, 9], [10, 11]]
+    rc = RolloutConfig(max_new_tokens=12, temperature=0, eos_id=None, max_draft_tokens=3, batch_threshold=8,
+                       strategy="Fixed", seed=0)
+    with torch.no_grad():
+        spec = RolloutEngine(target, rc, drafter.eval()).generate(prompts)
+        plain = RolloutEngine(target, rc).generate(prompts, speculative=False)
+    assert spec.stats.spec_steps > 0
+    assert spec.sequences == plain.sequences
