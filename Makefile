@@ -15,7 +15,7 @@ KUBE_CACHE ?= $(HOME)/.cache/spectrain/kube
 BENCHES := $(sort $(basename $(notdir $(filter-out bench/__init__.py bench/common.py,$(wildcard bench/*.py)))))
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-unit test-integration test-e2e lint typecheck verify demo demo-rl \
+.PHONY: help install test test-unit test-integration test-e2e lint typecheck verify demo demo-rl demo-hf \
         kube-binaries kube-binaries-legacy crds docs clean gpu-check $(BENCHES:%=bench-%)
 
 help: ## list the targets
@@ -70,6 +70,14 @@ demo: $(STAMP) ## run examples/demo.yaml locally (CPU, ~3 min) and print the hea
 demo-rl: $(STAMP) ## run examples/demo-rl.yaml locally (mode RL, ~70 s)
 	rm -rf runs/demo-rl
 	$(VENV)/bin/spectrain run examples/demo-rl.yaml --run-dir runs/demo-rl --report
+
+DEMO_HF_MODEL := /tmp/spectrain-demo-hf/model
+demo-hf: $(STAMP) ## a tiny random HF Llama built offline, trained by examples/hf-tiny.yaml (CPU, ~2 min), then `spectrain generate`
+	rm -rf runs/demo-hf $(DEMO_HF_MODEL)
+	$(PY) -m spectrain_workloads.hf.tiny $(DEMO_HF_MODEL)
+	$(VENV)/bin/spectrain run examples/hf-tiny.yaml --run-dir runs/demo-hf --report
+	$(VENV)/bin/spectrain generate --model runs/demo-hf/run/target/hf --drafter runs/demo-hf/run/drafter \
+	  --prompt "def main(argv):" --max-new-tokens 48 --compare
 
 # Explicit targets, not a pattern rule: GNU make never applies a pattern rule to a phony target.
 $(BENCHES:%=bench-%): bench-%: $(STAMP)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hf_models import build_model
+from spectrain_workloads.hf.tiny import build_model
 
 pytestmark = pytest.mark.gpu
 os.environ["HF_HUB_OFFLINE"] = "1"

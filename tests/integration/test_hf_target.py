@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from tests.hf_models import build_model
+from spectrain_workloads.hf.tiny import build_model
 
 pytestmark = pytest.mark.integration
 os.environ["HF_HUB_OFFLINE"] = "1"

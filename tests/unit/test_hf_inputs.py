@@ -18,7 +18,7 @@ from spectrain_workloads.config import from_manifest
 from spectrain_workloads.contract import check_spec
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.hf.source import inspect
-from tests.hf_models import build_model
+from spectrain_workloads.hf.tiny import build_model
 
 pytestmark = pytest.mark.unit
 

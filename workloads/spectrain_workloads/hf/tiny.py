@@ -1,9 +1,13 @@
-"""Tiny random Hugging Face models built in the tests (no hub): a BPE tokenizer trained on a few
-stdlib files and a 4-layer Llama / Qwen2 / Qwen3 / Mistral of hidden size 64, saved with
-save_pretrained (safetensors) into a directory."""
+"""Tiny random Hugging Face models, built offline (no hub): a BPE tokenizer trained on a few stdlib
+files and a 4-layer Llama / Qwen2 / Qwen3 / Mistral of hidden size 64, saved with save_pretrained
+(safetensors) into a directory. The tests build theirs with it, and `make demo-hf` its model:
+
+    python -m spectrain_workloads.hf.tiny OUT_DIR [--arch LlamaForCausalLM] [--layers 4] [--tie]
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sysconfig
 from pathlib import Path
@@ -50,3 +54,20 @@ def build_model(out: Path, arch: str = "LlamaForCausalLM", *, layers: int = 4, t
     model = getattr(transformers, arch)(config)
     model.save_pretrained(str(out))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="build a tiny random Hugging Face model directory (no hub)")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--arch", default="LlamaForCausalLM", choices=ARCHS)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tie", action="store_true", help="tie the embedding and the LM head")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    out = build_model(args.out, args.arch, layers=args.layers, tie=args.tie, seed=args.seed)
+    print(f"tiny {args.arch} ({args.layers} layers, vocab {VOCAB}) written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
