@@ -133,10 +133,18 @@ TARGETS=(kube-apiserver kube-controller-manager kube-scheduler etcd kwok)
 sum=$(cat "$MOD/go.mod" "$MOD/go.sum" "$KWOK_MOD/go.mod" "$KWOK_MOD/go.sum" | sha256sum | cut -c1-16)
 STAMP="kubernetes=$KUBE_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION modules=$sum level=$BUILD_LEVEL"
 
+stamped() {      # stamped DIR STAMP: DIR was built for exactly STAMP
+  [[ "$(cat "$1/.stamp" 2>/dev/null)" == "$2" ]]
+}
+
+write_stamp() {  # write_stamp DIR STAMP, atomically, once DIR is complete
+  echo "$2" > "$1/.stamp.tmp" && mv -f "$1/.stamp.tmp" "$1/.stamp"
+}
+
 have_all() {
   local t
   for t in "${TARGETS[@]}"; do [[ -x "$BIN/$t" ]] || return 1; done
-  [[ "$(cat "$BIN/.stamp" 2>/dev/null)" == "$STAMP" ]]
+  stamped "$BIN" "$STAMP"
 }
 
 # kwok's stages (what its fake kubelets do to nodes and pods), from its release: nodes become
@@ -202,7 +210,7 @@ etcd_says=$("$OUT/etcd" --version) || die "the built etcd does not run"
 [[ "$etcd_says" == *"etcd Version: ${ETCD_VERSION#v}"* ]] || die "etcd --version says '$etcd_says', expected ${ETCD_VERSION#v}"
 for t in "${TARGETS[@]}"; do mv -f "$OUT/$t" "$BIN/$t"; done
 write_stages
-echo "$STAMP" > "$BIN/.stamp.tmp" && mv -f "$BIN/.stamp.tmp" "$BIN/.stamp"
+write_stamp "$BIN" "$STAMP"
 log "done in $(( $(date +%s) - t0 )) s: $BIN ($got, etcd $ETCD_VERSION, kwok $KWOK_VERSION)"
 }
 
@@ -216,7 +224,7 @@ KUEUE_STAMP="kueue=$KUEUE_VERSION modules=$KUEUE_SUM level=$BUILD_LEVEL"
 
 build_kueue() {
   if [[ -x "$KUEUE_DIR/bin/kueue" && -s "$KUEUE_DIR/crds.yaml" && -s "$KUEUE_DIR/webhooks.yaml" \
-        && "$(cat "$KUEUE_DIR/.stamp" 2>/dev/null)" == "$KUEUE_STAMP" ]]; then
+        ]] && stamped "$KUEUE_DIR" "$KUEUE_STAMP"; then
     log "cached: $KUEUE_DIR ($KUEUE_STAMP; delete $KUEUE_DIR/.stamp to rebuild)"
     return 0
   fi
@@ -243,7 +251,7 @@ build_kueue() {
   rm -rf "$KUEUE_DIR/bin"
   mv -f "$OUT/bin" "$OUT/crds.yaml" "$OUT/webhooks.yaml" "$KUEUE_DIR/"
   rm -rf "$OUT"
-  echo "$KUEUE_STAMP" > "$KUEUE_DIR/.stamp.tmp" && mv -f "$KUEUE_DIR/.stamp.tmp" "$KUEUE_DIR/.stamp"
+  write_stamp "$KUEUE_DIR" "$KUEUE_STAMP"
   log "done in $(( $(date +%s) - t0 )) s: $KUEUE_DIR (kueue $KUEUE_VERSION)"
 }
 
@@ -256,7 +264,7 @@ SP_STAMP="scheduler-plugins=$SP_VERSION modules=$SP_SUM level=$BUILD_LEVEL"
 
 build_scheduler_plugins() {
   if [[ -x "$SP_DIR/bin/kube-scheduler" && -s "$SP_DIR/podgroups.yaml" \
-        && "$(cat "$SP_DIR/.stamp" 2>/dev/null)" == "$SP_STAMP" ]]; then
+        ]] && stamped "$SP_DIR" "$SP_STAMP"; then
     log "cached: $SP_DIR ($SP_STAMP; delete $SP_DIR/.stamp to rebuild)"
     return 0
   fi
@@ -294,7 +302,7 @@ build_scheduler_plugins() {
   rm -rf "$SP_DIR/bin"
   mv -f "$OUT/bin" "$OUT/podgroups.yaml" "$SP_DIR/"
   rm -rf "$OUT"
-  echo "$SP_STAMP" > "$SP_DIR/.stamp.tmp" && mv -f "$SP_DIR/.stamp.tmp" "$SP_DIR/.stamp"
+  write_stamp "$SP_DIR" "$SP_STAMP"
   log "done in $(( $(date +%s) - t0 )) s: $SP_DIR (scheduler-plugins $SP_VERSION)"
 }
 

@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tests.integration.kubeapi import ROOT, KubeAPI, KubeBinariesMissing, _tail
+from tests.integration.kubeapi import ROOT, KubeAPI, KubeBinariesMissing, _tail, stop_group
 from tests.waiting import wait_for
 
 SP_MODULE = ROOT / "scripts" / "kube" / "scheduler-plugins" / "go.mod"
@@ -121,13 +120,7 @@ class Coscheduling:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_group(self.proc)
 
     def log_tail(self, n: int = 40) -> str:
         return _tail(self.log, n)

@@ -27,7 +27,6 @@ import copy
 import os
 import re
 import shutil
-import signal
 import subprocess
 import urllib.error
 import urllib.request
@@ -36,7 +35,15 @@ from typing import Any
 
 import yaml
 
-from tests.integration.kubeapi import ROOT, KubeAPI, KubeBinariesMissing, _openssl, _tail, free_port
+from tests.integration.kubeapi import (
+    ROOT,
+    KubeAPI,
+    KubeBinariesMissing,
+    _openssl,
+    _tail,
+    free_port,
+    stop_group,
+)
 from tests.waiting import wait_for
 
 KUEUE_MODULE = ROOT / "scripts" / "kube" / "kueue" / "go.mod"
@@ -169,13 +176,7 @@ class Kueue:
         for cfg in self._webhooks:
             self.kube.delete(cfg)
         self._webhooks = []
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_group(self.proc)
 
     def log_tail(self, n: int = 40) -> str:
         return _tail(self.log, n)

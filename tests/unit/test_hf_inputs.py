@@ -44,6 +44,7 @@ def job(model: dict, **target: object) -> dict:
     ({"path": "file://rel/dir"}, "spec.target.model.path", "absolute"),
     ({"path": "s3://bucket/m"}, "spec.target.model.path", "file:///abs/dir or pvc://"),
     ({"path": "file:///m", "overrides": {"dim": 8}}, "spec.target.model.overrides", "remove overrides"),
+    ({"path": "pvc://"}, "spec.target.model.path", "use pvc://<claim>/<path>"),
 ])
 def test_contract_refuses(model: dict, field: str, words: str) -> None:
     errors = check_spec(from_manifest(job(model)))
@@ -156,3 +157,101 @@ def test_generate_takes_an_lm_drafter_of_the_targets_vocabulary(llama: Path, tmp
     export_drafter(tmp_path / "lm", 1, lm, {})
     module, meta = generate.load_matching_drafter(str(tmp_path / "lm"), src)
     assert meta["arch"] == "LM" and module.cfg.vocab_size == src.model_config.vocab_size
+
+
+def test_more_directory_problems(llama: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"is not a directory; give the model's directory"):
+        inspect(f"file://{llama}/config.json")
+    d = copy(llama, tmp_path / "badjson")
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config\.json is not readable JSON"):
+        inspect(f"file://{d}")
+    d = copy(llama, tmp_path / "nolayers")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"config\.json lacks the integer 'num_hidden_layers'"):
+        inspect(f"file://{d}")
+    d = copy(llama, tmp_path / "badindex")
+    (d / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(ConfigError, match=r"model\.safetensors\.index\.json is not a safetensors index"):
+        inspect(f"file://{d}")
+    d = copy(llama, tmp_path / "badtok")
+    (d / "tokenizer.json").write_text("{}")
+    from spectrain_workloads.hf.tokenizer import HFTokenizer
+
+    with pytest.raises(ConfigError, match=r"the tokenizer in .* does not load"):
+        HFTokenizer(d, model_vocab=512)
+
+
+def test_a_misshapen_tensor_is_refused_when_the_stage_loads(llama: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from spectrain_workloads.hf.stage import HFStage
+
+    d = copy(llama, tmp_path / "shape")
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(7, 64)
+    save_file(tensors, str(d / "model.safetensors"))
+    src = inspect(f"file://{d}")
+    stage = HFStage.stage(src, 0, 2)
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.up_proj\.weight has shape \(7, 64\), "
+                                          r"config\.json implies \(128, 64\)"):
+        stage.load_weights(src)
+
+
+def test_rl_needs_an_eos_token() -> None:
+    from spectrain_workloads.rl.tasks import get_task
+
+    class NoEos:
+        EOS = None
+
+    with pytest.raises(ConfigError, match="tokenizer defines no eos_token"):
+        get_task("copy", tokenizer=NoEos())
+
+
+def _gen_args(model: Path, drafter: Path, **over: object) -> argparse.Namespace:
+    base = dict(model=str(model), drafter=str(drafter), prompt="x = 1", prompts=None, max_new_tokens=4,
+                temperature=0.0, seed=0, draft_tokens=2, compare=False, json=True, device="cpu", dtype="auto")
+    return argparse.Namespace(**{**base, **over})
+
+
+def test_generate_argument_errors_name_the_flag(llama: Path, tmp_path: Path) -> None:
+    import torch
+
+    from spectrain_workloads import generate
+    from spectrain_workloads.drafter.export import export_drafter
+    from spectrain_workloads.drafter.hf_eagle import HFEagleDrafter
+
+    export_drafter(tmp_path / "ok", 1, HFEagleDrafter(json.loads((llama / "config.json").read_text())), {})
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    cases = [({"max_new_tokens": 0}, "--max-new-tokens must be >= 1"),
+             ({"temperature": -1.0}, "--temperature must be >= 0"),
+             ({"prompt": None, "prompts": str(tmp_path / "none.txt")}, "--prompts .*none.txt"),
+             ({"prompt": None, "prompts": str(empty)}, "no non-empty line"),
+             ({"device": "tpu"}, "--device must be auto, cpu or cuda"),
+             ({"dtype": "fp8"}, "--dtype must be one of auto, float32, bfloat16"),
+             ({"max_new_tokens": 400}, "exceeds the model's max_position_embeddings 256")]
+    if not torch.cuda.is_available():
+        cases.append(({"device": "cuda"}, "--device cuda: this torch sees no CUDA device"))
+    for over, words in cases:
+        with pytest.raises(ConfigError, match=words):
+            generate.generate(_gen_args(llama, tmp_path / "ok", **over))
+
+
+def test_generate_refuses_a_preset_or_other_architecture_drafter(llama: Path, tmp_path: Path) -> None:
+    from spectrain_workloads import generate
+    from spectrain_workloads.drafter.export import export_drafter
+    from spectrain_workloads.drafter.hf_eagle import HFEagleDrafter
+    from spectrain_workloads.drafter.models import EagleDrafter
+
+    src = inspect(f"file://{llama}")
+    export_drafter(tmp_path / "preset", 1, EagleDrafter(src.model_config), {})
+    with pytest.raises(ConfigError, match="an Eagle drafter of a preset target"):
+        generate.load_matching_drafter(str(tmp_path / "preset"), src)
+    qwen = build_model(tmp_path / "qwen", "Qwen2ForCausalLM", layers=2)
+    export_drafter(tmp_path / "qwen-drafter", 1, HFEagleDrafter(json.loads((qwen / "config.json").read_text())), {})
+    with pytest.raises(ConfigError, match=r"trained for \['Qwen2ForCausalLM'\], the target is \['LlamaForCausalLM'\]"):
+        generate.load_matching_drafter(str(tmp_path / "qwen-drafter"), src)

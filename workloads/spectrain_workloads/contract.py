@@ -228,6 +228,11 @@ HUB_ID_HINT = ("a Hugging Face hub id is not fetched at run time: download it in
                "(docs/bring-your-model.md) and give its directory")
 
 
+def is_hub_id(path: str) -> bool:
+    """"org/name": what a Hugging Face hub id looks like (no scheme, one slash, not absolute)."""
+    return "://" not in path and path.count("/") == 1 and not path.startswith("/")
+
+
 def model_path_errors(model: Any) -> list[str]:
     """The rules of `spec.target.model.path` that need no file system (the operator checks them too);
     the directory itself is checked where it is mounted (hf.source.inspect)."""
@@ -247,7 +252,7 @@ def model_path_errors(model: Any) -> list[str]:
     elif path.startswith("pvc://"):
         if not path[len("pvc://"):].strip("/"):
             out.append(f"{field} {path!r}: use pvc://<claim>/<path>")
-    elif "://" not in path and path.count("/") == 1 and not path.startswith("/"):
+    elif is_hub_id(path):
         out.append(f"{field} {path!r}: {HUB_ID_HINT}")
     else:
         out.append(f"{field} {path!r}: use file:///abs/dir or pvc://<claim>/<path>")

@@ -17,6 +17,7 @@ Prompts are tokenized as transformers does (`tokenizer(text).input_ids`, special
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -136,7 +137,7 @@ def generate(args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_s": tokens / spec_s,
         }
         if args.compare:
-            plain = RolloutEngine(target, RolloutConfig(**{**cfg.__dict__, "speculative": False}))
+            plain = RolloutEngine(target, dataclasses.replace(cfg, speculative=False))
             t0 = time.perf_counter()
             base = plain.generate(ids)
             plain_s = time.perf_counter() - t0

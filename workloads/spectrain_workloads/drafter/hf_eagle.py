@@ -56,7 +56,8 @@ class HFEagleDrafter(EagleDrafter):
         self.target_config = dict(target_config)   # kept for the export (target hash, serving config)
         self.hf_cfg = hf_config(self.target_config)
         self.hf_arch: str = self.target_config["architectures"][0]
-        self.cfg = dataclasses.replace(sizes(self.target_config), n_layers=1)   # the sizes `.cfg` readers use
+        # the sizes `.cfg` readers use; RoPE theta as transformers resolves it (its defaults included)
+        self.cfg = dataclasses.replace(sizes(self.target_config), n_layers=1, rope_theta=rope_theta(self.hf_cfg))
         H, V = self.cfg.dim, self.cfg.vocab_size
         p = parts(self.hf_arch)
         self.embed = nn.Embedding(V, H)

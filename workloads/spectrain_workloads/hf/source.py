@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spectrain_workloads.contract import HF_ARCHITECTURES, HUB_ID_HINT, ModelConfig
+from spectrain_workloads.contract import HF_ARCHITECTURES, HUB_ID_HINT, ModelConfig, is_hub_id
 from spectrain_workloads.data import volume_path
 from spectrain_workloads.errors import ConfigError
 
@@ -64,7 +64,7 @@ def sizes(raw: dict[str, Any]) -> ModelConfig:
 
 
 def resolve(uri: str, *, data_root: str | None = None) -> Path:
-    if "://" not in uri and uri.count("/") == 1 and not uri.startswith("/"):
+    if is_hub_id(uri):
         raise ConfigError(f"{FIELD} {uri!r}: {HUB_ID_HINT}")
     return volume_path(FIELD, uri, data_root=data_root)
 
@@ -80,6 +80,8 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
             if n > _MAX_HEADER:
                 raise ValueError(f"header length {n} is implausible")
             header = json.loads(fh.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("its header is not a JSON object")
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{FIELD}: {path} is not a readable safetensors file ({exc}); re-copy the model "
                           "files into the volume") from exc
@@ -91,7 +93,7 @@ def _weights(root: Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
     if (root / INDEX).is_file():
         try:
             files = sorted(set(json.loads((root / INDEX).read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as exc:
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
             raise ConfigError(f"{FIELD}: {root / INDEX} is not a safetensors index ({exc})") from exc
     elif (root / SINGLE).is_file():
         files = [SINGLE]

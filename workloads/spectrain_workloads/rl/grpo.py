@@ -171,12 +171,12 @@ def sft_warmup(model: Transformer, task: Task, *, steps: int, batch: int = 32, l
     for _ in range(steps):
         exs = [task.sample(rng) for _ in range(batch)]
         prompts = [task.prompt_ids(e) for e in exs]
-        seqs = pad_batch([p + task.answer_ids(e) for p, e in zip(prompts, exs, strict=False)], dev)
+        rows = [p + task.answer_ids(e) for p, e in zip(prompts, exs, strict=False)]
+        seqs = pad_batch(rows, dev)
         logits = model(seqs[:, :-1])
         t = torch.arange(seqs.size(1) - 1, device=dev)[None]
-        lens = [len(p) + len(task.answer_ids(e)) for p, e in zip(prompts, exs, strict=False)]
         mask = ((t >= torch.tensor([len(p) - 1 for p in prompts], device=dev)[:, None])
-                & (t < torch.tensor(lens, device=dev)[:, None] - 1))                   # answer tokens [B, L-1]
+                & (t < torch.tensor([len(r) for r in rows], device=dev)[:, None] - 1))   # answer tokens [B, L-1]
         loss = (F.cross_entropy(logits.flatten(0, 1), seqs[:, 1:].flatten(), reduction="none") * mask.flatten()).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
