@@ -2,9 +2,10 @@
 (examples/byo/pipelining_train.py: torch.distributed.pipelining Schedule1F1B, 2 stages, 4 microbatches).
 
 Keys:
-- hooks_overhead_ratio: median step period with the hooks publishing / without, in one run whose
-  steps alternate in blocks of 4 in the order on off off on (SPECTRAIN_INSTRUMENT_INTERLEAVE=4, as
-  bench-target), so both halves share the load, the processes and the memory layout. The run is
+- hooks_overhead_ratio: median step period with the hooks publishing / without, in one run of 1000
+  steps (quick: 120) that alternate in blocks of 4 in the order on off off on
+  (SPECTRAIN_INSTRUMENT_INTERLEAVE=4, as bench-target), so both halves share the load, the processes
+  and the memory layout; at 200 steps the ratio moved by 4 % between runs of one tree. The run is
   the script with the pod's environment (ring, metrics, run dir) but no drafter process, so the
   ratio is what the hooks cost (windows, hidden states into the ring, the wrappers), not the
   drafter's share of this CPU. A step's period: from the previous step's metrics line to its own,
@@ -112,7 +113,7 @@ def _matches_schedule(run: Path, steps: int) -> bool:
 
 def main() -> None:
     args = parse_args(__doc__ or "")
-    il_steps, run_steps = (48, 30) if args.quick else (200, 80)
+    il_steps, run_steps = (120, 30) if args.quick else (1000, 80)
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-hooks-") as tmp:
         base = Path(tmp)

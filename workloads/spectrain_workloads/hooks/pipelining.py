@@ -43,7 +43,7 @@ from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.hooks import torch_internals as ti
 from spectrain_workloads.hooks.errors import HookError
 from spectrain_workloads.hooks.publisher import NoopPublisher, Publisher
-from spectrain_workloads.target.schedule import Action, Op, Schedule, simulate
+from spectrain_workloads.target.schedule import Action, Op, ScaledTimeline, Schedule
 
 _NAMES = {"Schedule1F1B": "1F1B", "ScheduleGPipe": "GPipe", "ScheduleInterleaved1F1B": "Interleaved1F1B"}
 
@@ -169,6 +169,7 @@ class PipelineHooks:
         self._tokens: tuple[torch.Tensor, ...] | None = None
         self._mb = -1                   # microbatch of the forward running now (-1: none)
         self._p = len(plan.orders)
+        self._timeline = ScaledTimeline(plan.orders)
         self._n_virtual, self._m = ti.schedule_shape(schedule)
         self._step = schedule.step
         schedule.step = self._run_step
@@ -206,9 +207,9 @@ class PipelineHooks:
         ema = self.instr.compute_ema_ns
         if ema is None:
             return [0.0] * len(self.plan.claims)
-        tl = simulate(self.plan.orders, ema[0], ema[1])
+        gaps, trailing = self._timeline(ema[0], ema[1])
         r = self.plan.rank
-        return [max(0.0, tl.gaps[r][k] + (tl.trailing[r] if i == 0 and self._steps_run > 0 else 0.0))
+        return [max(0.0, gaps[r][k] + (trailing[r] if i == 0 and self._steps_run > 0 else 0.0))
                 for i, k in enumerate(self.plan.claims)]
 
     # ---------------------------------------------------------------- compute actions

@@ -12,8 +12,9 @@ Three calls carry the drafter's inputs:
 - `with pub.idle(kind, expected_s=None):` an idle window (hooks/windows.py predicts it when
   `expected_s` is not given);
 - `pub.hidden_states(hidden [b, T, H], tokens [b, T])`: the final-norm hidden states of the last
-  stage and the input ids; a share of the b sequences (SPECTRAIN_PUBLISH_FRACTION) is queued for
-  the ring (target/publisher.py: a bounded queue, dropped when full, copied by a thread);
+  stage and the input ids; a share of the b sequences (SPECTRAIN_PUBLISH_FRACTION) goes into the
+  ring (target/publisher.py: copied on the spot from CPU; from CUDA through pinned buffers and a
+  thread with a bounded queue, dropped when full);
 - `pub.step_end(step)`: once per optimizer step; the step's windows are learned from and written.
 `pub.share_weights(embedding, lm_head)` writes the embedding and LM head ([V, H] each) the Eagle
 drafter borrows, once (and again when they change); `pub.imbalance()` wraps a step's barrier.
@@ -164,6 +165,7 @@ class Publisher:
         self._data: Any = None                   # target.publisher.DataPublisher, on the first sample
         self._mb = 0                             # hidden_states calls this step (the sample's seq_index base)
         self._shared_dim: int | None = None
+        self._checked: tuple[Any, ...] | None = None     # the sample shapes hidden_states last accepted
         self._last_end = time.monotonic()
         self._last_cpu = time.process_time()
         self._closed = False
@@ -197,7 +199,8 @@ class Publisher:
     def hidden_states(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
         """hidden [b, T, H] (or [T, H]): final-norm output, so that logits = lm_head(hidden);
         tokens [b, T] (or [T]) int: the input ids of those positions. Never blocks: a share of the
-        sequences is queued and copied into the ring by a thread (dropped when the queue is full)."""
+        sequences goes into the ring (target/publisher.py: copied on the spot from CPU, from CUDA by a
+        thread that drops samples when its queue is full)."""
         if not self.enabled:
             return
         if not isinstance(hidden, torch.Tensor) or not isinstance(tokens, torch.Tensor):
@@ -207,19 +210,10 @@ class Publisher:
             hidden = hidden.unsqueeze(0)
         if tokens.dim() == 1:
             tokens = tokens.unsqueeze(0)
-        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(tokens.shape):
-            raise HookError(f"pub.hidden_states: hidden must be [b, T, H] and tokens [b, T] with the same b and T; "
-                            f"got hidden {tuple(hidden.shape)} and tokens {tuple(tokens.shape)}")
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise HookError(f"pub.hidden_states: tokens must be integer token ids, got {tokens.dtype}")
-        b, T, H = hidden.shape
-        want = self._shared_dim or self.hidden_dim
-        if H != want:
-            raise HookError(f"pub.hidden_states: hidden has width H={H} but the drafter expects {want} (the "
-                            "embedding / LM head width); publish the final-norm output of the last stage")
-        if T > self.seq_len:
-            raise HookError(f"pub.hidden_states: sequences of {T} positions exceed the ring's {self.seq_len}; "
-                            f"call attach(seq_len={T}) (default: spec.target.data.seqLen)")
+        sig = (hidden.shape, tokens.shape, tokens.dtype, self._shared_dim)
+        if sig != self._checked:        # the same shapes every step: checked once
+            self._check_sample(hidden, tokens)
+            self._checked = sig
         if self.producer is None:
             return
         if self._data is None:
@@ -227,11 +221,27 @@ class Publisher:
 
             self._data = DataPublisher(self.producer, fraction=self.opts.publish_fraction, stage=self.stage,
                                        lock=self._lock)
-        k = self._data.count(b)
+        k = self._data.count(hidden.size(0))
         if k:
-            # tokens are cloned: a caller may refill its batch buffer before the thread copies them
-            self._data.submit(self.step, self._mb, hidden.detach(), tokens[:k].to(torch.int64, copy=True))
+            # CUDA samples reach the ring later (a thread): their tokens are cloned, as a caller may
+            # refill its batch buffer before then; CPU samples are copied into the ring right here
+            self._data.submit(self.step, self._mb, hidden.detach(), tokens[:k].to(torch.int64, copy=hidden.is_cuda))
         self._mb += 1
+
+    def _check_sample(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
+        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(tokens.shape):
+            raise HookError(f"pub.hidden_states: hidden must be [b, T, H] and tokens [b, T] with the same b and T; "
+                            f"got hidden {tuple(hidden.shape)} and tokens {tuple(tokens.shape)}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise HookError(f"pub.hidden_states: tokens must be integer token ids, got {tokens.dtype}")
+        H, T = hidden.shape[2], hidden.shape[1]
+        want = self._shared_dim or self.hidden_dim
+        if H != want:
+            raise HookError(f"pub.hidden_states: hidden has width H={H} but the drafter expects {want} (the "
+                            "embedding / LM head width); publish the final-norm output of the last stage")
+        if T > self.seq_len:
+            raise HookError(f"pub.hidden_states: sequences of {T} positions exceed the ring's {self.seq_len}; "
+                            f"call attach(seq_len={T}) (default: spec.target.data.seqLen)")
 
     def step_end(self, step: int, *, loss: float | None = None, tokens: int = 0) -> None:
         """Step `step` is done: learn from its windows, write them and the step's metrics line."""

@@ -4,11 +4,15 @@ Per microbatch the last stage hands over hidden [b, T, H] (final-norm output) an
 the first `ceil(fraction * b)` sequences are published, one ring record each: meta
 {"step", "dtype", "stage", "seq_index"}, arrays hidden [T, H] and tokens [T] (docs/contracts.md).
 
-Never blocks the step: `submit` only enqueues (dropping when the bounded queue is full) and a
-thread copies into the ring. The tensors are the step's own outputs, which nothing modifies
-afterwards, so the thread can read them without a copy on CPU. On CUDA they are first copied into
-pinned host buffers on a side stream (after an event on the compute stream); the thread waits on
-that copy's event, never the training stream.
+Never blocks the step. On CPU, `submit` copies the sequences into the ring on the caller's
+thread: one memcpy per sequence into a slot that overwrites the oldest, never a wait (~20 us per
+[128, 128] fp32 sequence on an idle core). A thread would cost more than the copy: on a host whose
+cores the ranks fill, a woken thread holds the GIL while it waits for a core, and the training
+thread waits for it at the end of every torch op (docs/benchmarks.md, hooks). On CUDA the tensors
+are first copied into pinned host buffers on a side stream (after an event on the compute
+stream), and a thread (started on the first CUDA sample) waits on that copy's event and copies
+into the ring, so the training stream is never synchronised; it drops samples when its bounded
+queue is full.
 """
 
 from __future__ import annotations
@@ -36,8 +40,7 @@ class DataPublisher:
         self.errors = 0
         self.published = 0
         self._cuda_stream: Any = None
-        self._thread = threading.Thread(target=self._loop, name="spectrain-data-publisher", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None     # CUDA samples only
 
     def count(self, b: int) -> int:
         return min(b, math.ceil(self.fraction * b)) if self.fraction > 0 else 0
@@ -48,24 +51,27 @@ class DataPublisher:
         if k == 0:
             return
         h, t = hidden[:k], tokens[:k]
-        event = None
-        if h.is_cuda:
-            if self._cuda_stream is None:
-                self._cuda_stream = torch.cuda.Stream(device=h.device)
-            side = self._cuda_stream
-            side.wait_stream(torch.cuda.current_stream(h.device))
-            with torch.cuda.stream(side):
-                h_host = torch.empty(h.shape, dtype=h.dtype, pin_memory=True)
-                t_host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                h_host.copy_(h, non_blocking=True)
-                t_host.copy_(t, non_blocking=True)
-                h.record_stream(side)
-                t.record_stream(side)
-                event = torch.cuda.Event()
-                event.record(side)
-            h, t = h_host, t_host
+        if not h.is_cuda:
+            self._publish_safely(step, mb * hidden.size(0), h, t, None)
+            return
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream(device=h.device)
+        side = self._cuda_stream
+        side.wait_stream(torch.cuda.current_stream(h.device))
+        with torch.cuda.stream(side):
+            h_host = torch.empty(h.shape, dtype=h.dtype, pin_memory=True)
+            t_host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h_host.copy_(h, non_blocking=True)
+            t_host.copy_(t, non_blocking=True)
+            h.record_stream(side)
+            t.record_stream(side)
+            event = torch.cuda.Event()
+            event.record(side)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="spectrain-data-publisher", daemon=True)
+            self._thread.start()
         try:
-            self._q.put_nowait((step, mb * hidden.size(0), h, t, event))
+            self._q.put_nowait((step, mb * hidden.size(0), h_host, t_host, event))
         except queue.Full:
             self.dropped += k
 
@@ -75,13 +81,17 @@ class DataPublisher:
             if item is None:
                 return
             try:
-                self._publish(*item)
-            except Exception as exc:  # noqa: BLE001 - a bad payload must not stop training
-                self.errors += 1
-                if self.errors == 1:
-                    print(f"[spectrain-target] data channel: {exc}", file=sys.stderr, flush=True)
+                self._publish_safely(*item)
             finally:
                 self._q.task_done()
+
+    def _publish_safely(self, *item: Any) -> None:
+        try:
+            self._publish(*item)
+        except Exception as exc:  # noqa: BLE001 - a bad payload must not stop training
+            self.errors += 1
+            if self.errors == 1:
+                print(f"[spectrain-target] data channel: {exc}", file=sys.stderr, flush=True)
 
     def _publish(self, step: int, base: int, h: torch.Tensor, t: torch.Tensor, event: Any) -> None:
         if event is not None:
@@ -98,9 +108,11 @@ class DataPublisher:
 
     def flush(self) -> None:
         """Wait until everything submitted is in the ring (tests, shutdown)."""
-        self._q.join()
+        if self._thread is not None:
+            self._q.join()
 
     def close(self) -> None:
         self.flush()
-        self._q.put(None)
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout=5)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from dataclasses import dataclass, field
 
 from spectrain_workloads.contract import INTERLEAVED, INTERLEAVED_CHUNKS, SCHEDULES
@@ -38,6 +39,7 @@ _STRUCT_TF, _STRUCT_TB = 1.0, 2.0
 # are where the simulation idles for any of these ratios (a slot can then predict 0 at the measured one).
 _STRUCT_TB_RATIOS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0)
 _EPS = 1e-9
+_RATIO_STEP = math.log(1.02)    # ScaledTimeline's quantisation of tb / tf
 
 
 class Op(enum.Enum):
@@ -149,6 +151,26 @@ def simulate(orders: list[list[Action]], tf: float, tb: float) -> Timeline:
     return Timeline(starts=starts, ends=ends, gaps=gaps, step_end=step_end, trailing=trailing)
 
 
+class ScaledTimeline:
+    """simulate(orders, tf, tb)'s gaps and trailing idle for the per-step predictions, which move
+    with the F/B EMAs every step. Every time in a timeline is a sum of tf's and tb's, so at one
+    ratio tb / tf it is the unit timeline times tf: one simulation per ratio, quantised to steps of
+    2 % (a gap moves by at most as much), serves every step."""
+
+    def __init__(self, orders: list[list[Action]]) -> None:
+        self.orders = orders
+        self._unit: dict[int, tuple[list[list[float]], list[float]]] = {}
+
+    def __call__(self, tf: float, tb: float) -> tuple[list[list[float]], list[float]]:
+        q = round(math.log(tb / tf) / _RATIO_STEP)
+        unit = self._unit.get(q)
+        if unit is None:
+            tl = simulate(self.orders, 1.0, math.exp(q * _RATIO_STEP))
+            unit = self._unit[q] = (tl.gaps, tl.trailing)
+        gaps, trailing = unit
+        return [[g * tf for g in row] for row in gaps], [x * tf for x in trailing]
+
+
 @dataclass(frozen=True)
 class Schedule:
     name: str
@@ -190,6 +212,11 @@ class Schedule:
         return [compute_order(self.name, self.n_stages, self.microbatches, s, self.chunks)
                 for s in range(self.n_stages)]
 
+    @functools.cached_property
+    def scaled_timeline(self) -> ScaledTimeline:
+        return ScaledTimeline(self.orders)
+
+    @functools.cached_property
     def _structure(self) -> Timeline:
         return simulate(self.orders, _STRUCT_TF, _STRUCT_TB)
 
@@ -197,7 +224,7 @@ class Schedule:
         """Indices into the stage's compute order before which the stage idles."""
         if self.chunks > 1:
             return list(self._interleaved_positions[stage])
-        tl = self._structure()
+        tl = self._structure
         return [k for k, g in enumerate(tl.gaps[stage]) if g > _EPS or (k == 0 and tl.trailing[stage] > _EPS)]
 
     @functools.cached_property
@@ -224,12 +251,12 @@ class Schedule:
 
     def bubble_predictions(self, stage: int, tf: float, tb: float, *, first_step: bool) -> list[float]:
         """Predicted length of each BUBBLE slot of `stage` (same units as tf, tb), in slot order."""
-        tl = simulate(self.orders, tf, tb)
+        gaps, trailing = self.scaled_timeline(tf, tb)
         preds = []
         for k in self.bubble_positions(stage):
-            g = tl.gaps[stage][k]
+            g = gaps[stage][k]
             if k == 0 and not first_step:
-                g += tl.trailing[stage]
+                g += trailing[stage]
             preds.append(max(g, 0.0))
         return preds
 
