@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 from spectrain_workloads.drafter.gating import (
@@ -99,6 +102,36 @@ def test_optimistic_predictions_are_tempered_by_history() -> None:
         t2.update([ev, end(ev, 20)])
     t2.update([start(99, WindowKind.BUBBLE, 0, 10)])
     assert t2.predicted_end_ns(t2.open[99], 0) == 10 * MS
+
+
+def step_start(wid: int, kind: WindowKind, step: int, at_ms: float, predicted_ms: float) -> WindowEvent:
+    return dataclasses.replace(start(wid, kind, at_ms, predicted_ms), step=step)
+
+
+def test_each_call_site_is_tempered_by_its_own_history() -> None:
+    """A stage with two bubbles per step: the first ends as predicted, the second at 0.3 of its
+    prediction. The first keeps its full promise; the second is cut to its own early ends."""
+    t = WindowTracker()
+    wid = 0
+    for step in range(10):
+        for predicted, actual in ((40, 40), (20, 6)):
+            wid += 1
+            ev = step_start(wid, WindowKind.BUBBLE, step, 100 * wid, predicted)
+            t.update([ev, end(ev, actual)])
+    first = step_start(1000, WindowKind.BUBBLE, 10, 5000, 40)
+    t.update([first])
+    assert t.open[1000].site == 0
+    assert t.predicted_end_ns(t.open[1000], 5000 * MS) == 5040 * MS
+    second = step_start(1001, WindowKind.BUBBLE, 10, 5100, 20)
+    t.update([end(first, 40), second])
+    assert t.open[1001].site == 1
+    assert t.predicted_end_ns(t.open[1001], 5100 * MS) == 5106 * MS
+    # the kind's pooled history alone would have cut the first one to 0.3 of its promise too
+    assert min(t.ratios["Bubble"]) == pytest.approx(0.3)
+    # and the per-site history survives a checkpoint of the tracker
+    t2 = WindowTracker()
+    t2.load_state_dict(json.loads(json.dumps(t.state_dict())))
+    assert t2.site_ratios == t.site_ratios
 
 
 def test_open_ended_windows_use_the_distribution_of_past_windows() -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MS = 1_000_000
+MAX_SITES = 64         # call sites told apart per kind and step (the rest share the last one)
 
 
 def quantile(xs: Iterable[float], q: float) -> float:
@@ -84,6 +85,7 @@ class OpenWindow:
     step: int
     start_ns: int
     predicted_ns: int         # 0: open-ended
+    site: int = -1            # its ordinal among its step's windows of its kind (-1: unknown)
 
 
 @dataclass
@@ -108,6 +110,11 @@ class WindowTracker:
         self.open: dict[int, OpenWindow] = {}
         self.durations: dict[str, deque[int]] = {}
         self.ratios: dict[str, deque[float]] = {}
+        # actual / predicted per call site, (kind, ordinal within the step): the sites of one kind
+        # can differ (a pipeline stage's long first bubble is predicted well, its short second one
+        # poorly), and the kind's pooled quantile would cut the good site's promise to the bad one's
+        self.site_ratios: dict[tuple[str, int], deque[float]] = {}
+        self._next_site: dict[str, tuple[int, int]] = {}     # kind -> (step, next ordinal)
         self._history = history
         self._stale_factor = stale_factor
         self._stale_open_ended_ns = stale_open_ended_ns
@@ -118,15 +125,21 @@ class WindowTracker:
         for ev in events:
             kind = ev.kind.api_name
             if not ev.is_end:
+                step, n = self._next_site.get(kind, (ev.step, 0))
+                n = n if step == ev.step else 0
+                self._next_site[kind] = (ev.step, n + 1)
                 self.open[ev.window_id] = OpenWindow(ev.window_id, kind, ev.stage, ev.step, ev.start_ns,
-                                                     ev.predicted_duration_ns)
+                                                     ev.predicted_duration_ns, min(n, MAX_SITES - 1))
                 continue
-            self.open.pop(ev.window_id, None)
+            ow = self.open.pop(ev.window_id, None)
             cw = ClosedWindow(ev.window_id, kind, ev.stage, ev.step, ev.start_ns, ev.predicted_duration_ns,
                               ev.actual_duration_ns)
             self.durations.setdefault(kind, deque(maxlen=self._history)).append(cw.actual_ns)
             if cw.predicted_ns > 0:
-                self.ratios.setdefault(kind, deque(maxlen=self._history)).append(cw.actual_ns / cw.predicted_ns)
+                ratio = cw.actual_ns / cw.predicted_ns
+                self.ratios.setdefault(kind, deque(maxlen=self._history)).append(ratio)
+                if ow is not None:
+                    self.site_ratios.setdefault((kind, ow.site), deque(maxlen=self._history)).append(ratio)
             closed.append(cw)
         return closed
 
@@ -146,15 +159,18 @@ class WindowTracker:
                          min_history: int = 5) -> int | None:
         """A conservative end time for an open window, or None when nothing can be said.
 
-        Known duration: start + predicted, shortened when this kind's windows have tended to end
-        early (the (1-confidence) quantile of actual/predicted, if below 1). Open-ended: of the
+        Known duration: start + predicted, shortened when this call site's windows (this kind's,
+        until the site has `min_history`) have tended to end early (the (1-confidence) quantile of
+        actual/predicted, if below 1). Open-ended: of the
         past windows of this kind that outlived the current elapsed time, the duration that a
         `confidence` fraction of them reached. A window with a known duration that is still open
         past that end is treated as open-ended from then on (it outlived its prediction: how long
         windows of its kind that lasted as long went on is the better guess).
         """
         if w.predicted_ns > 0:
-            ratios = self.ratios.get(w.kind)
+            ratios = self.site_ratios.get((w.kind, w.site))
+            if ratios is None or len(ratios) < min_history:
+                ratios = self.ratios.get(w.kind)
             scale = 1.0
             if ratios and len(ratios) >= min_history:
                 scale = min(1.0, quantile(ratios, 1.0 - confidence))
@@ -169,11 +185,13 @@ class WindowTracker:
 
     def state_dict(self) -> dict[str, Any]:
         return {"durations": {k: list(v) for k, v in self.durations.items()},
-                "ratios": {k: list(v) for k, v in self.ratios.items()}}
+                "ratios": {k: list(v) for k, v in self.ratios.items()},
+                "siteRatios": [[k, n, list(v)] for (k, n), v in self.site_ratios.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.durations = {k: deque(v, maxlen=self._history) for k, v in state.get("durations", {}).items()}
         self.ratios = {k: deque(v, maxlen=self._history) for k, v in state.get("ratios", {}).items()}
+        self.site_ratios = {(k, int(n)): deque(v, maxlen=self._history) for k, n, v in state.get("siteRatios", [])}
 
 
 @dataclass
