@@ -1,18 +1,19 @@
-"""Drafter training data from the last pipeline stage to the ring's data channel, off the step.
+"""Drafter training data from the last pipeline stage to the ring's data channel.
 
 Per microbatch the last stage hands over hidden [b, T, H] (final-norm output) and tokens [b, T];
 the first `ceil(fraction * b)` sequences are published, one ring record each: meta
 {"step", "dtype", "stage", "seq_index"}, arrays hidden [T, H] and tokens [T] (docs/contracts.md).
 
 Never blocks the step. On CPU, `submit` copies the sequences into the ring on the caller's
-thread: one memcpy per sequence into a slot that overwrites the oldest, never a wait (~20 us per
-[128, 128] fp32 sequence on an idle core). A thread would cost more than the copy: on a host whose
-cores the ranks fill, a woken thread holds the GIL while it waits for a core, and the training
-thread waits for it at the end of every torch op (docs/benchmarks.md, hooks). On CUDA the tensors
-are first copied into pinned host buffers on a side stream (after an event on the compute
-stream), and a thread (started on the first CUDA sample) waits on that copy's event and copies
-into the ring, so the training stream is never synchronised; it drops samples when its bounded
-queue is full.
+thread: one memcpy per sequence into a slot that overwrites the oldest, never a wait (a [128, 128]
+fp32 sequence: ~20 us with warm caches, 100-200 us right after a forward has evicted them). A
+thread does not make that cheaper where the ranks fill the cores: it competes with the training
+thread for the GIL and a core (docs/benchmarks.md, hooks: no lower overhead with it).
+
+On CUDA the tensors are first copied into pinned host buffers on a side stream (after an event on
+the compute stream), and a thread (started on the first CUDA sample) waits on that copy's event
+and copies into the ring, so the training stream is never synchronised; it drops samples when its
+bounded queue is full.
 """
 
 from __future__ import annotations
