@@ -109,3 +109,40 @@ def test_gradient_accumulation_spans_calls_and_survives_state_roundtrip() -> Non
     other = BatchCombiner(max_micro_batch=4, samples_per_step=6, cost=CostModel())
     other.load_state_dict(comb.state_dict())
     assert (other.samples_trained, other.micro_steps, other.optimizer_steps) == (8, 2, 1)
+
+
+def test_take_against_a_reference_over_random_adds_takes_and_evictions() -> None:
+    """The buffer's pools and heaps against a plain list kept by the rules of SampleBuffer's
+    docstring: fresh newest first, then the least used; one length per take; a sample retires at
+    max_reuse; the byte cap evicts the oldest; counts and bytes always agree."""
+    import random
+
+    rng = random.Random(0)
+    per = sample(0, length=8).nbytes
+    buf = SampleBuffer(max_bytes=40 * per, max_reuse=3, eval_every=10**9, eval_samples=1)
+    live: list[Sample] = []                       # the reference: arrival order
+    for i in range(3000):
+        if i < 200 or rng.random() < 0.45:        # a backlog first: the cap evicts unused samples
+            s = sample(i, length=rng.choice([8, 8, 8, 6]))
+            buf.add(s)
+            live.append(s)
+            while sum(x.nbytes for x in live) > 40 * per and len(live) > 1:
+                live.pop(0)
+        else:
+            want = [x.uses for x in live]
+            got = buf.take(rng.choice([1, 2, 4, 8]))
+            if not live:
+                assert got == []
+                continue
+            assert got and len({x.length for x in got}) == 1
+            before = {id(x): u for x, u in zip(live, want, strict=True)}
+            # fresh newest first, then by (uses, arrival); the length is that of the first
+            order = sorted(live, key=lambda x: (before[id(x)], -x.arrival if before[id(x)] == 0 else x.arrival))
+            first = order[0]
+            same = [x for x in order if x.length == first.length]
+            assert [id(x) for x in got] == [id(x) for x in same[:len(got)]]
+            live = [x for x in live if x.uses < 3]
+        assert buf.trainable() == len(live)
+        assert buf.fresh_count() == sum(x.uses == 0 for x in live)
+        assert buf.bytes == sum(x.nbytes for x in live)
+    assert buf.evicted_unused > 0 and len(buf.train) <= 2 * buf.trainable() + 70

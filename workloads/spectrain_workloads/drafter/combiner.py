@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ class Sample:
     hidden: torch.Tensor | None          # [T, H] float32 (None: tokens-only data, LM arch)
     step: int                            # target step that produced it
     uses: int = 0
+    arrival: int = 0                     # order in which the buffer received it
+    gone: bool = False                   # retired (max_reuse) or evicted from the buffer
 
     @property
     def nbytes(self) -> int:
@@ -40,15 +43,61 @@ class Sample:
         return int(self.tokens.numel())
 
 
+class _Pool:
+    """The training samples of one length: fresh ones in arrival order, used ones in a heap by
+    (use count, arrival), so that taking the newest fresh or the least used (oldest first) sample
+    costs O(log n), not a scan and a sort of the buffer."""
+
+    def __init__(self) -> None:
+        self.fresh: deque[Sample] = deque()
+        self.replay: list[tuple[int, int, Sample]] = []      # heap of (uses, arrival, sample)
+
+    def head(self) -> tuple[int, int] | None:
+        """(0, -arrival of the newest fresh) or (uses, arrival) of the least used: the order in
+        which the pools are served (smallest first); None when nothing is left."""
+        while self.fresh and self.fresh[-1].gone:
+            self.fresh.pop()
+        if self.fresh:
+            return 0, -self.fresh[-1].arrival
+        while self.replay and self.replay[0][2].gone:
+            heapq.heappop(self.replay)
+        return self.replay[0][:2] if self.replay else None
+
+    def take(self, n: int) -> list[Sample]:
+        out: list[Sample] = []
+        while len(out) < n and self.fresh:
+            s = self.fresh.pop()
+            if not s.gone:
+                out.append(s)
+        while len(out) < n and self.replay:
+            s = heapq.heappop(self.replay)[2]
+            if not s.gone:
+                out.append(s)
+        return out
+
+    def put_back(self, s: Sample) -> None:
+        heapq.heappush(self.replay, (s.uses, s.arrival, s))
+
+    def compact(self) -> None:
+        self.fresh = deque(s for s in self.fresh if not s.gone)
+        self.replay = [e for e in self.replay if not e[2].gone]
+        heapq.heapify(self.replay)
+
+
 class SampleBuffer:
     def __init__(self, *, max_bytes: int, max_reuse: int, eval_every: int, eval_samples: int) -> None:
         self.max_bytes, self.max_reuse, self.eval_every = max_bytes, max_reuse, eval_every
-        self.train: deque[Sample] = deque()
+        self.train: deque[Sample] = deque()      # training samples in arrival order (evicted oldest first)
         self.eval: deque[Sample] = deque(maxlen=eval_samples)
         self.bytes = 0
         self.received = 0
         self.evicted_unused = 0      # samples dropped before they ever trained (the drafter lagged)
         self._eval_fresh = 0         # held-out samples not yet verified on
+        self._pools: dict[int, _Pool] = {}          # by length
+        self._live = 0               # samples in train that are not gone (retired or evicted)
+        self._fresh = 0              # of which never used
+        self._arrivals = 0
+        self._gone = 0               # gone samples still referenced by train or a pool
 
     def add(self, sample: Sample) -> None:
         self.add_sequence([sample])
@@ -64,34 +113,59 @@ class SampleBuffer:
             self._eval_fresh += len(chunks)
             return
         for sample in chunks:
+            self._arrivals += 1
+            sample.arrival = self._arrivals
             self.train.append(sample)
+            self._pools.setdefault(sample.length, _Pool()).fresh.append(sample)
             self.bytes += sample.nbytes
-        while self.bytes > self.max_bytes and len(self.train) > 1:
+            self._live += 1
+            self._fresh += 1
+        while self.bytes > self.max_bytes and self._live > 1:
             old = self.train.popleft()
-            self.bytes -= old.nbytes
+            if old.gone:
+                self._gone -= 1
+                continue
             self.evicted_unused += old.uses == 0
+            self._retire(old)
+
+    def _retire(self, s: Sample) -> None:
+        s.gone = True
+        self.bytes -= s.nbytes
+        self._live -= 1
+        self._fresh -= s.uses == 0
+        self._gone += 1
 
     def fresh_count(self) -> int:
-        return sum(1 for s in self.train if s.uses == 0)
+        return self._fresh
 
     def trainable(self) -> int:
-        return len(self.train)
+        return self._live
+
+    def newest_length(self) -> int | None:
+        return next((s.length for s in reversed(self.train) if not s.gone), None)
 
     def take(self, n: int) -> list[Sample]:
-        """Up to n samples of one length: fresh newest first, then the least used; counts the use."""
-        if not self.train or n < 1:
+        """Up to n samples of one length: fresh newest first, then the least used; counts the use.
+        The length is that of the first sample in that order over the whole buffer."""
+        if not self._live or n < 1:
             return []
-        fresh = [s for s in reversed(self.train) if s.uses == 0]
-        used = sorted((s for s in self.train if s.uses > 0), key=lambda s: s.uses)
-        order = fresh + used
-        length = order[0].length
-        chosen = [s for s in order if s.length == length][:n]
+        heads = [(h, length) for length, pool in self._pools.items() if (h := pool.head()) is not None]
+        if not heads:
+            return []
+        pool = self._pools[min(heads)[1]]
+        chosen = pool.take(n)
         for s in chosen:
+            self._fresh -= s.uses == 0
             s.uses += 1
-        if any(s.uses >= self.max_reuse for s in chosen):
-            keep = deque(s for s in self.train if s.uses < self.max_reuse)
-            self.bytes = sum(s.nbytes for s in keep)
-            self.train = keep
+            if s.uses >= self.max_reuse:
+                self._retire(s)
+            else:
+                pool.put_back(s)
+        if self._gone > self._live + 64:    # drop the references to gone samples (amortised O(1))
+            self.train = deque(s for s in self.train if not s.gone)
+            for p in self._pools.values():
+                p.compact()
+            self._gone = 0
         return chosen
 
     def eval_batch(self) -> list[Sample]:

@@ -40,17 +40,24 @@ class CostModel:
     def __init__(self, *, window: int = 16, q: float = 0.9) -> None:
         self.window, self.q = window, q
         self._samples: dict[Hashable, deque[int]] = {}
+        self._estimates: dict[Hashable, int] = {}     # per key, until its next measurement
 
     def observe(self, key: Hashable, ns: int) -> None:
         self._samples.setdefault(key, deque(maxlen=self.window)).append(int(ns))
+        self._estimates.pop(key, None)
 
     def forget(self) -> None:
         """Drop every measurement (costs are measured again, e.g. after a busy spell inflated them)."""
-        self._samples = {}
+        self._samples, self._estimates = {}, {}
 
     def estimate(self, key: Hashable) -> int | None:
-        s = self._samples.get(key)
-        return int(quantile(s, self.q)) if s else None
+        e = self._estimates.get(key)
+        if e is None:
+            s = self._samples.get(key)
+            if not s:
+                return None
+            e = self._estimates[key] = int(quantile(s, self.q))
+        return e
 
     def estimate_sized(self, name: str, size: int) -> int | None:
         """The estimate of task (name, size), never above that of a larger measured size of the same
@@ -71,7 +78,7 @@ class CostModel:
         return {"samples": [[list(k) if isinstance(k, tuple) else k, list(v)] for k, v in self._samples.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._samples = {}
+        self._samples, self._estimates = {}, {}
         for key, values in state.get("samples", []):
             k = tuple(key) if isinstance(key, list) else key
             self._samples[k] = deque((int(v) for v in values), maxlen=self.window)

@@ -231,7 +231,7 @@ class Worker:
             if self.combiner.accumulated > 0:     # the measurement discards gradients: step on these first
                 trainer.optimizer_step(self.combiner.accumulated)
                 self.combiner.note_optimizer_step()
-        self._calibrate(trainer, self.buffer.train[-1].length)
+        self._calibrate(trainer, self.buffer.newest_length() or self.s.seq_cap)
 
     def _measure_now(self) -> bool:
         """A measurement is due: is there data to learn the sequence length from, and an open window
