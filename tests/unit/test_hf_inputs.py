@@ -162,20 +162,17 @@ def test_generate_takes_an_lm_drafter_of_the_targets_vocabulary(llama: Path, tmp
 def test_more_directory_problems(llama: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"is not a directory; give the model's directory"):
         inspect(f"file://{llama}/config.json")
-    d = copy(llama, tmp_path / "badjson")
-    (d / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match=r"config\.json is not readable JSON"):
-        inspect(f"file://{d}")
-    d = copy(llama, tmp_path / "nolayers")
-    cfg = json.loads((d / "config.json").read_text())
+    cfg = json.loads((llama / "config.json").read_text())
     del cfg["num_hidden_layers"]
-    (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=r"config\.json lacks the integer 'num_hidden_layers'"):
-        inspect(f"file://{d}")
-    d = copy(llama, tmp_path / "badindex")
-    (d / "model.safetensors.index.json").write_text("[]")
-    with pytest.raises(ConfigError, match=r"model\.safetensors\.index\.json is not a safetensors index"):
-        inspect(f"file://{d}")
+    for name, file, text, error in [
+            ("badjson", "config.json", "{not json", r"config\.json is not readable JSON"),
+            ("nolayers", "config.json", json.dumps(cfg), r"config\.json lacks the integer 'num_hidden_layers'"),
+            ("badindex", "model.safetensors.index.json", "[]",
+             r"model\.safetensors\.index\.json is not a safetensors index")]:
+        d = copy(llama, tmp_path / name)
+        (d / file).write_text(text)
+        with pytest.raises(ConfigError, match=error):
+            inspect(f"file://{d}")
     d = copy(llama, tmp_path / "badtok")
     (d / "tokenizer.json").write_text("{}")
     from spectrain_workloads.hf.tokenizer import HFTokenizer

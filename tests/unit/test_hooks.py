@@ -111,6 +111,7 @@ def test_attach_in_a_job_publishes_windows_and_hidden_states_to_the_ring(pub: An
 
 
 def test_hidden_states_with_mismatched_shapes_is_a_clear_error(pub: Any) -> None:
+    pub.hidden_states(torch.zeros(2, 16, 8), torch.zeros(2, 16, dtype=torch.long))   # accepted: shapes cached
     with pytest.raises(HookError, match=r"hidden must be \[b, T, H\] and tokens \[b, T\].*\(2, 16, 8\).*\(2, 15\)"):
         pub.hidden_states(torch.zeros(2, 16, 8), torch.zeros(2, 15, dtype=torch.long))
     with pytest.raises(HookError, match="width H=4 but the drafter expects 8"):

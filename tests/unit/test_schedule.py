@@ -48,6 +48,8 @@ def test_scaled_timeline_is_the_simulation_at_the_quantised_ratio(name: str, p: 
     gaps, _ = st(10.0, 10.0 * 1.02 ** 10.4)                   # off the grid: the nearest grid ratio
     assert gaps == [pytest.approx(row) for row in simulate(orders, 10.0, 10.0 * 1.02 ** 10).gaps]
     assert len(st._unit) == 4
+    gaps, _ = st(0.0, 5.0)                                    # a zero time: simulated as given
+    assert gaps == simulate(orders, 0.0, 5.0).gaps and len(st._unit) == 4
 
 
 def test_1f1b_action_list_p2_m4() -> None:

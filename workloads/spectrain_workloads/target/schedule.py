@@ -162,6 +162,9 @@ class ScaledTimeline:
         self._unit: dict[int, tuple[list[list[float]], list[float]]] = {}
 
     def __call__(self, tf: float, tb: float) -> tuple[list[list[float]], list[float]]:
+        if tf <= 0 or tb <= 0:               # no ratio to scale by: simulate these times as they are
+            tl = simulate(self.orders, tf, tb)
+            return tl.gaps, tl.trailing
         q = round(math.log(tb / tf) / _RATIO_STEP)
         unit = self._unit.get(q)
         if unit is None:
