@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ pytestmark = pytest.mark.unit
 def _reset(monkeypatch: pytest.MonkeyPatch) -> None:
     podstatus._last_patch.clear()
     podstatus._in_flight.clear()
+    podstatus._flushed.clear()
     for var in ("SPECTRAIN_POD_NAME", "SPECTRAIN_POD_NAMESPACE", "KUBERNETES_SERVICE_HOST"):
         monkeypatch.delenv(var, raising=False)
 
@@ -83,3 +84,37 @@ def test_in_cluster_patch_of_own_annotation_throttled(tmp_path: Path, monkeypatc
     assert path == "/api/v1/namespaces/ns/pods/job-0" and ctype == "application/merge-patch+json"
     assert auth == "Bearer tok"
     assert json.loads(body["metadata"]["annotations"]["spectrain.io/progress"])["step"] == 3
+
+
+def test_a_flush_while_a_patch_is_in_flight_is_sent_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last report (flush=True) arrives while the previous PATCH is still unanswered: it must
+    still reach the pod, after that one, and not be dropped as throttled."""
+    seen: list[int] = []
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(json.loads(body["metadata"]["annotations"]["spectrain.io/progress"])["step"])
+            release.wait(10)          # the first PATCH stays in flight until the test lets it go
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(podstatus, "_in_cluster", lambda: (f"http://127.0.0.1:{server.server_port}", "ns", "p", "t"))
+    monkeypatch.setenv("SPECTRAIN_RUN_DIR", str(tmp_path / "run"))
+    try:
+        podstatus.report_progress({"step": 1})
+        wait_for(lambda: seen == [1], 5, what="first PATCH at the server")
+        podstatus.report_progress({"step": 2})                 # throttled: the file only
+        podstatus.report_progress({"step": 3}, flush=True)     # while step 1's PATCH is in flight
+        release.set()
+        wait_for(lambda: seen == [1, 3], 5, what="the flushed PATCH after the in-flight one")
+        wait_for(lambda: not podstatus._in_flight, 5, what="no PATCH in flight")
+    finally:
+        server.shutdown()

@@ -5,7 +5,8 @@
 rename), and, in a cluster (env SPECTRAIN_POD_NAME, SPECTRAIN_POD_NAMESPACE and a mounted
 service-account token), merge-patch the pod's own annotation `spectrain.io/progress` /
 `spectrain.io/drafter` with the JSON, at most every 10 s per annotation (`flush=True` forces it,
-e.g. for the last report). The PATCH runs on a background thread and never raises into the
+e.g. for the last report; one that arrives while a PATCH of its annotation is in flight is sent
+right after it, not dropped). The PATCH runs on a background thread and never raises into the
 training loop: failures are logged once and dropped. Torch-free.
 """
 
@@ -32,6 +33,7 @@ log = logging.getLogger("spectrain.podstatus")
 _lock = threading.Lock()
 _last_patch: dict[str, float] = {}
 _in_flight: set[str] = set()
+_flushed: dict[str, dict[str, Any]] = {}   # annotation -> a flushed payload waiting for the in-flight PATCH
 _warned = False
 
 
@@ -69,7 +71,19 @@ def _in_cluster() -> tuple[str, str, str, str] | None:
     return f"https://{host}:{port}", ns, pod, token_file.read_text().strip()
 
 
-def _patch(annotation: str, payload: dict[str, Any]) -> None:
+def _patch(annotation: str, payload: dict[str, Any] | None) -> None:
+    """PATCH `payload`, then any payload flushed meanwhile, until none is waiting."""
+    while payload is not None:
+        _send(annotation, payload)
+        with _lock:
+            payload = _flushed.pop(annotation, None)
+            if payload is None:
+                _in_flight.discard(annotation)
+            else:
+                _last_patch[annotation] = time.monotonic()
+
+
+def _send(annotation: str, payload: dict[str, Any]) -> None:
     global _warned
     try:
         where = _in_cluster()
@@ -90,9 +104,6 @@ def _patch(annotation: str, payload: dict[str, Any]) -> None:
             log.warning("could not annotate the pod with %s (status reaches the operator later): %s",
                         annotation, exc)
             _warned = True
-    finally:
-        with _lock:
-            _in_flight.discard(annotation)
 
 
 def _maybe_patch(annotation: str, payload: dict[str, Any], flush: bool) -> bool:
@@ -102,6 +113,8 @@ def _maybe_patch(annotation: str, payload: dict[str, Any], flush: bool) -> bool:
     now = time.monotonic()
     with _lock:
         if annotation in _in_flight:
+            if flush:
+                _flushed[annotation] = payload     # sent by the in-flight PATCH's thread when it is done
             return False
         if not flush and now - _last_patch.get(annotation, -math.inf) < THROTTLE_S:
             return False
