@@ -6,9 +6,11 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +82,19 @@ def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     idx = min(len(s) - 1, max(0, int(round(q / 100.0 * (len(s) - 1)))))
     return s[idx]
+
+
+def block_bootstrap_interval(items: list[Any], statistic: Callable[[list[Any]], float], *, block: int,
+                             level: float = 0.9, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """`level` interval of `statistic(items)` over a run whose items come in an order with structure
+    (interleaved on / off steps, drift on a shared machine): the run is cut into consecutive blocks of
+    `block` items, which are drawn with replacement (seeded), so every resample keeps the interleaving
+    pattern and the short-range correlation of neighbouring steps. A ratio whose interval straddles a
+    goal is not shown met or missed by the run."""
+    blocks = [items[i:i + block] for i in range(0, len(items) - block + 1, block)]
+    if len(blocks) < 2:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    stats = sorted(statistic([x for _ in blocks for x in rng.choice(blocks)]) for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return stats[int(tail * (resamples - 1))], stats[int((1.0 - tail) * (resamples - 1))]

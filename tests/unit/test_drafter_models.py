@@ -166,3 +166,41 @@ def test_settings_from_spec_and_errors_name_the_field() -> None:
             DrafterSettings(**kw)
     with pytest.raises(ConfigError, match="unknown drafter settings"):
         DrafterSettings.from_spec(spec, no_such_knob=1)
+
+
+
+@pytest.mark.parametrize("weight", [1.0, 50.0])       # gradient norm ~0.1 (no clip) / ~5 (clipped)
+def test_trainer_step_is_adamw_on_the_clipped_mean_gradient_of_its_micro_steps(target: Transformer,
+                                                                                weight: float) -> None:
+    """DrafterTrainer's fused optimizer step over gradients summed by micro-steps of different sizes
+    is, to rounding, the textbook update: per-sample mean gradient, clipped to norm 1, unfused AdamW.
+    Steps accumulate different numbers of samples, so a wrong divisor shows through Adam's scale
+    invariance."""
+    from spectrain_workloads.drafter.combiner import Sample
+    from spectrain_workloads.drafter.train import DrafterTrainer
+
+    s = DrafterSettings(lr=3e-3, hidden_loss_weight=weight, ce_loss_weight=0.1 * weight)
+    trainer = DrafterTrainer(s, shared(target), torch.device("cpu"))
+    ref = eagle(target)
+    ref.load_state_dict(trainer.model.state_dict())
+    params = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0, foreach=False, fused=False)
+    tokens = text_sequences(5, 32, seed=7)
+    hidden = target_hidden(target, tokens)
+    samples = [Sample(tokens=tokens[i], hidden=hidden[i], step=0) for i in range(5)]
+    norms = []
+    for n in (5, 2, 4, 1):
+        trainer.micro_step(samples[:1])
+        if n > 1:
+            trainer.micro_step(samples[1:n])
+        trainer.optimizer_step(n)
+        loss, _ = eagle_loss(ref, tokens[:n], hidden[:n], hidden_weight=s.hidden_loss_weight,
+                             ce_weight=s.ce_loss_weight, stats=False)
+        opt.zero_grad(set_to_none=True)
+        (loss / n).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
+        opt.step()
+    assert all(n > 1.0 for n in norms) if weight > 1 else all(n < 1.0 for n in norms)
+    for (name, got), want in zip(trainer.model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+    assert all(p.grad is None for p in trainer.model.parameters())

@@ -213,7 +213,7 @@ def test_report_files_and_headline(tmp_path: Path, capsys: pytest.CaptureFixture
     rows = [ln for ln in rl_section.splitlines() if ln.startswith("| ") and ln.split("|")[1].strip().isdigit()]
     assert [int(r.split("|")[1]) for r in rows] == [4, 8, 12, 16, 20]     # the steps measured side by side
     assert "reward                   0.120 -> 0.460 (mean of first / last 5 steps)" in out
-    assert "rl_step_speedup          1.3x with speculation (median of 5 steps measured side by side" in out
+    assert "rl_step_speedup          1.300x with speculation (median of 5 steps measured side by side" in out
 
 
 def test_timeline_view_ends_where_every_working_drafter_is_in_view(tmp_path: Path) -> None:

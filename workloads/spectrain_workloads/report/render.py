@@ -46,7 +46,7 @@ def _rl_lines(s: dict[str, Any]) -> list[tuple[str, str]]:
     if s.get("rl_step_speedup") is not None:
         how = (f"median of {s['rl_step_speedup_steps']} steps measured side by side"
                if s.get("rl_step_speedup_source") == "side-by-side" else "vs the --baseline run")
-        lines.append(("rl_step_speedup", f"{s['rl_step_speedup']:.3g}x with speculation ({how}; step "
+        lines.append(("rl_step_speedup", f"{s['rl_step_speedup']:.3f}x with speculation ({how}; step "
                                          f"{_fmt(s.get('rl_step_s'), ' s')} vs {_fmt(s.get('rl_step_s_plain'), ' s')} plain)"))
     else:
         lines.append(("rl_step_speedup", "- (no step measured plainly: SPECTRAIN_RL_PLAIN_EVERY or --baseline)"))
