@@ -198,3 +198,51 @@ def test_unit_is_no_higher_than_a_larger_measured_micro_step() -> None:
     assert g.unit_ns() == 3 * MS
     g.tracker.update([start(1, WindowKind.BUBBLE, 0, predicted_ms=6)])
     assert g.allows(g.budget(0), None, starting=True)       # 6 ms fits 3 + 2 margin, not 9 + 2
+
+
+def test_the_gate_confidence_is_checked_and_passed_to_the_tracker() -> None:
+    cost, tracker = CostModel(), WindowTracker()
+    with pytest.raises(ValueError, match="confidence"):
+        Gate(policy="IdleOnly", kinds=["Bubble"], safety_margin_ms=0, min_window_ms=0, cost=cost, tracker=tracker,
+             confidence=1.0)
+    for i in range(10):                      # windows end at 0.5, 0.6, ... 1.4 x their prediction
+        ev = start(i + 1, WindowKind.BUBBLE, 100.0 * i, 50.0)
+        tracker.update([ev, end(ev, 50.0 * (0.5 + 0.1 * i))])
+    tracker.update([start(99, WindowKind.BUBBLE, 2000.0, 50.0)])
+    remaining = {c: Gate(policy="IdleOnly", kinds=["Bubble"], safety_margin_ms=0, min_window_ms=0, cost=cost,
+                         tracker=tracker, confidence=c).budget(int(2000 * MS)).remaining_ns for c in (0.8, 0.5)}
+    assert remaining == {0.8: int(50 * 0.6 * MS), 0.5: int(50 * 0.9 * MS)}
+
+
+def _gate_replay():  # type: ignore[no-untyped-def]
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gate_replay.py"
+    spec = importlib.util.spec_from_file_location("gate_replay", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gate_replay_fills_exactly_predicted_windows_without_overrun_and_trades_tail_for_overrun() -> None:
+    """scripts/gate_replay.py drives the real tracker and gate: windows predicted exactly are filled
+    up to the last task that fits, never past their end; windows that end 0.6-1.4 x their prediction
+    are filled more, and overrun more often, as the confidence is lowered."""
+    import random
+
+    replay = _gate_replay().replay
+    rng = random.Random(3)
+
+    def log(ratio: object) -> list[dict[str, object]]:
+        return [{"kind": "Bubble", "window_id": i, "step": i, "start_ns": i * 100 * MS, "predicted_ns": 40 * MS,
+                 "actual_ns": int(40 * MS * (ratio() if callable(ratio) else ratio))} for i in range(300)]
+
+    exact = replay(log(1.0), kind="Bubble", confidence=0.8, margin_ms=1.0, task_ms=5.0)
+    assert exact["overrun_s"] == 0 and 0.7 < exact["harvested_fraction"] < 0.95
+    noisy = log(lambda: rng.uniform(0.6, 1.4))
+    runs = [replay(noisy, kind="Bubble", confidence=c, margin_ms=1.0, task_ms=5.0) for c in (0.9, 0.7, 0.5)]
+    fill = [r["harvested_fraction"] for r in runs]
+    late = [r["windows_overrun_fraction"] for r in runs]
+    assert fill[0] < fill[1] < fill[2] and late[0] < late[1] < late[2]

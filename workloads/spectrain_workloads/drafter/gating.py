@@ -215,9 +215,16 @@ UNIT_KEY: tuple[str, int] = ("train", 1)   # one training micro-step of one samp
 
 
 class Gate:
+    """`confidence`: how sure the gate must be that a window is still open when a task ends (the
+    quantile WindowTracker.predicted_end_ns promises); lower harvests more of each window's tail and
+    overruns more often (scripts/gate_replay.py replays a run's windows to weigh the two)."""
+
     def __init__(self, *, policy: str, kinds: Iterable[str], safety_margin_ms: float, min_window_ms: float,
-                 cost: CostModel, tracker: WindowTracker) -> None:
+                 cost: CostModel, tracker: WindowTracker, confidence: float = 0.8) -> None:
+        if not 0.0 < confidence < 1.0:
+            raise ValueError(f"gate confidence must be in (0, 1), got {confidence}")
         self.policy = policy
+        self.confidence = confidence
         self.kinds = frozenset(kinds)
         self.margin_ns = int(safety_margin_ms * MS)
         self.min_window_ns = int(min_window_ms * MS)
@@ -245,7 +252,7 @@ class Gate:
                 if best.window is None:
                     best = Budget(None, -1, f"kind {w.kind} not in activation.kinds")
                 continue
-            end = self.tracker.predicted_end_ns(w, now_ns)
+            end = self.tracker.predicted_end_ns(w, now_ns, confidence=self.confidence)
             if end is None:
                 if best.window is None:
                     best = Budget(None, -1, f"open-ended {w.kind} window without enough history")
