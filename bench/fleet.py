@@ -15,6 +15,10 @@ samples_combined_ratio    samples whose training reached the exported model: com
                           rank's samplesTrained)
 acceptance_combined       expected accepted length (k=4) of each variant's export on held-out text
 acceptance_single         through the final target of that run (what a speculative decoder verifies)
+alpha_t1_combined         the same exports' sampled acceptance rate (sum min(p, q), temperature 1,
+alpha_t1_single           teacher-forced; drafter/verify.py): at 120 steps the debug target puts
+                          nearly all its mass on two tokens, so the greedy length saturates (4.89
+                          for any trained drafter) and only this one tells the variants apart
 target_slowdown_ratio     median target step time, combined / off (drafters and exchange on vs off)
 exchange_mb_per_s         bytes the drafters sent to each other / run wall time, combined runs
 
@@ -76,7 +80,7 @@ def run(variant: str, steps: int, root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"variant": variant, "wall_s": wall, "step_s": median(steps_s), "data": data}
     if variant != "off":
         out["summaries"] = [json.loads((data / f"drafter-summary-rank-{r}.json").read_text()) for r in range(4)]
-        out["acceptance"] = acceptance(data)
+        out["acceptance"], out["alpha_t1"] = acceptance(data)
     return out
 
 
@@ -104,15 +108,17 @@ def heldout(target: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(tokens[i], hidden[i]) for i in range(len(tokens))]
 
 
-def acceptance(data: Path, target: Any = None) -> float:
-    """Expected accepted length (k=4) of the run's export on held-out text through its final target."""
+def acceptance(data: Path, target: Any = None) -> tuple[float, float]:
+    """(expected accepted length at k=4, sampled acceptance rate) of the run's export on held-out text
+    through its final target."""
     from spectrain_workloads.drafter.export import load_drafter
-    from spectrain_workloads.drafter.verify import measure
+    from spectrain_workloads.drafter.verify import measure, sampled_acceptance_rate
 
     target = final_target(data) if target is None else target
     drafter, _ = load_drafter(data / "drafter")
     drafter.load_target_weights(target.tok_embeddings.weight, target.output.weight)
-    return float(measure(drafter, heldout(target), None, k=4).acceptance_length)
+    samples = heldout(target)
+    return float(measure(drafter, samples, None, k=4).acceptance_length), sampled_acceptance_rate(drafter, samples)
 
 
 def main() -> None:
@@ -125,7 +131,8 @@ def main() -> None:
                 r = run(v, steps, Path(tmp))
                 results[v].append(r)
                 print(f"  round {i} {v}: {r['wall_s']:.0f} s, step {r['step_s'] * 1e3:.0f} ms"
-                      + (f", acceptance {r['acceptance']:.2f}" if "acceptance" in r else ""), flush=True)
+                      + (f", acceptance {r['acceptance']:.2f}, alpha {r['alpha_t1']:.3f}" if "acceptance" in r
+                         else ""), flush=True)
     comb, single = results["combined"], results["single"]
     trained = [sum(s["samplesTrained"] > 0 for s in r["summaries"]) / 4 for r in comb]
     # the coordinator's count (rank 3): it holds the members' last contributions, which reach the
@@ -137,6 +144,8 @@ def main() -> None:
         "samples_combined_ratio": median(reached_comb) / max(1.0, median(reached_single)),
         "acceptance_combined": median([r["acceptance"] for r in comb]),
         "acceptance_single": median([r["acceptance"] for r in single]),
+        "alpha_t1_combined": median([r["alpha_t1"] for r in comb]),
+        "alpha_t1_single": median([r["alpha_t1"] for r in single]),
         "target_slowdown_ratio": median([r["step_s"] for r in comb]) / median([r["step_s"] for r in results["off"]]),
         "exchange_mb_per_s": median([sum(s.get("exchangeBytesSent", 0) for s in r["summaries"]) / 1e6 / r["wall_s"]
                                      for r in comb]),
@@ -150,6 +159,7 @@ def main() -> None:
     goals = {"ranks_training_fraction": keys["ranks_training_fraction"] >= 1.0,
              "samples_combined_ratio": keys["samples_combined_ratio"] >= 3.0,
              "acceptance_combined_ge_single": keys["acceptance_combined"] >= keys["acceptance_single"],
+             "alpha_t1_combined_ge_single": keys["alpha_t1_combined"] >= keys["alpha_t1_single"],
              "target_slowdown_ratio": keys["target_slowdown_ratio"] <= 1.03}
     print_table("bench-fleet (pipeline 2 x data 2, debug)", keys)
     print_table("goals met", goals)

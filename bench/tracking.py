@@ -90,7 +90,7 @@ def main() -> None:
         data, n_layers = run_demo(Path(tmp), args.drafter_lr)
         wall = time.monotonic() - t0
         target = final_target(data, n_layers)
-        export = acceptance(data, target)
+        export, _ = acceptance(data, target)
         in_run = in_run_acceptance(data)
     plateau, curve = ceiling(target, 6_400 if args.quick else 25_600)
     keys = {

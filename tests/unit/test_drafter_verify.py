@@ -149,3 +149,26 @@ def test_verifier_chunks_batch_sequences_of_one_length(trained_eagle: EagleDraft
         results.append(v.run_chunk(trained_eagle, None))
     assert len(results) == 3 and results[:-1] == [None, None] and v.rounds == 1   # 40: 2 + 1, 24: 2
     assert results[-1] is not None and results[-1].to_dict() == measure(trained_eagle, mixed, None, k=K).to_dict()
+
+
+def test_sampled_acceptance_rate_is_one_for_the_target_itself_and_ranks_drafters(
+        target: Transformer, trained_eagle: EagleDrafter, data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """sum_v min(p, q): 1 when the drafter's distribution is the target's, and the trained drafter
+    above an untrained one."""
+    from spectrain_workloads.drafter.verify import sampled_acceptance_rate
+
+    class Oracle(EagleDrafter):
+        """Predicts the next hidden state exactly (read from the data), so q = p."""
+
+        def forward(self, tokens, hidden, *a):  # type: ignore[no-untyped-def]
+            nxt = torch.cat([hidden[:, 1:], data[0][1][None, hidden.size(1):hidden.size(1) + 1]], 1)
+            return self.lm_head(nxt), nxt
+
+    oracle = Oracle(CFG)
+    oracle.load_state_dict(trained_eagle.state_dict())
+    assert sampled_acceptance_rate(oracle, data[:1]) == pytest.approx(1.0, abs=1e-5)
+    untrained = build_drafter(DrafterSettings(), CFG)
+    assert isinstance(untrained, EagleDrafter)
+    untrained.load_target_weights(trained_eagle.embed.weight, trained_eagle.lm_head.weight)
+    low, high = sampled_acceptance_rate(untrained, data), sampled_acceptance_rate(trained_eagle, data)
+    assert 0.0 < low < high < 1.0

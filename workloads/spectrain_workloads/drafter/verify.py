@@ -13,6 +13,10 @@ the target's greedy token after position p is g_p = argmax lm_head(h_p).
   an approximation otherwise (the drafter cannot run the target's middle layers).
   `acceptance_length` = accepted + 1 (EAGLE's tau: tokens per verification, incl. the target's own).
 For tokens-only data (LM arch without the target's hidden states) the reference is the data token.
+- sampled acceptance rate (`sampled_acceptance_rate`, Eagle): teacher-forced, the mean over positions of
+  sum_v min(p(v), q(v)) at temperature 1, the probability that rejection sampling accepts the first
+  draft (Leviathan et al.'s alpha). Greedy agreement saturates on a target that puts nearly all its
+  mass on a few tokens (an early debug target); alpha still tells drafters apart there.
 
 Work is split into chunks of a few sequences, batched, so the gate can fit verification into short windows.
 """
@@ -155,6 +159,19 @@ def measure_sample(model: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor 
     """One sequence: tokens [T] int64, hidden [T, H] (None: tokens only), target_head [V, H] (LM arch)."""
     return measure_batch(model, tokens.view(1, -1), None if hidden is None else hidden.unsqueeze(0),
                          target_head, k=k, max_starts=max_starts)
+
+
+@torch.no_grad()
+def sampled_acceptance_rate(model: EagleDrafter, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean sum_v min(p, q) over positions, temperature 1: samples of (tokens [T], hidden [T, H])."""
+    rates = []
+    for tokens, hidden in samples:
+        hid = hidden.float()[None]                                     # [1, T, H]
+        logits, _ = model(tokens[None, 1:], hid[:, :-1])               # [1, T-1, V]: q of x_{t+2}
+        p = torch.softmax(model.lm_head(hid[:, 1:]).float(), -1)       # the target's p of x_{t+2}
+        q = torch.softmax(logits.float(), -1)
+        rates.append(torch.minimum(p, q).sum(-1).flatten())            # [T-1]
+    return float(torch.cat(rates).mean())
 
 
 def measure(model: nn.Module, samples: list[tuple[torch.Tensor, torch.Tensor | None]],
