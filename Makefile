@@ -16,7 +16,7 @@ BENCHES := $(sort $(basename $(notdir $(filter-out bench/__init__.py bench/commo
 
 .DEFAULT_GOAL := help
 .PHONY: help install test test-unit test-integration test-e2e lint typecheck verify demo demo-rl demo-hf \
-        kube-binaries kube-binaries-legacy crds docs clean gpu-check $(BENCHES:%=bench-%)
+        kube-binaries kube-binaries-legacy crds docs clean gpu-check gate-replay $(BENCHES:%=bench-%)
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 22
@@ -78,6 +78,11 @@ demo-hf: $(STAMP) ## a tiny random HF Llama built offline, trained by examples/h
 	$(VENV)/bin/spectrain run examples/hf-tiny.yaml --run-dir runs/demo-hf --report
 	$(VENV)/bin/spectrain generate --model runs/demo-hf/run/target/hf --drafter runs/demo-hf/run/drafter \
 	  --prompt "def main(argv):" --max-new-tokens 48 --compare
+
+RUN ?= runs/demo
+RANK ?= 0
+gate-replay: $(STAMP) ## what other gate confidences / margins would harvest of a run's windows (RUN=runs/demo RANK=0)
+	$(PY) scripts/gate_replay.py $(RUN) --rank $(RANK)
 
 # Explicit targets, not a pattern rule: GNU make never applies a pattern rule to a phony target.
 $(BENCHES:%=bench-%): bench-%: $(STAMP)

@@ -3,6 +3,7 @@ drafter would fill, and how far past their ends it would run.
 
     python scripts/gate_replay.py runs/demo [--rank 0] [--kind Bubble] [--confidence 0.8 0.7]
                                             [--margin-ms 2] [--task-ms 6]
+    make gate-replay RUN=runs/demo RANK=0
 
 The windows are the target's own records (metrics/windows-rank-<r>.jsonl: start, prediction,
 actual length), fed in their order to the drafter's real WindowTracker, Gate and CostModel
