@@ -167,8 +167,8 @@ def sampled_acceptance_rate(model: EagleDrafter, samples: list[tuple[torch.Tenso
     rates = []
     for tokens, hidden in samples:
         hid = hidden.float()[None]                                     # [1, T, H]
-        logits, _ = model(tokens[None, 1:], hid[:, :-1])               # [1, T-1, V]: q of x_{t+2}
-        p = torch.softmax(model.lm_head(hid[:, 1:]).float(), -1)       # the target's p of x_{t+2}
+        logits, _ = model(tokens[None, 1:], hid[:, :-1].to(model.fc.weight.dtype))   # [1, T-1, V]: q of x_{t+2}
+        p = torch.softmax(hid[:, 1:] @ model.lm_head.weight.float().T, -1)          # the target's p of x_{t+2}
         q = torch.softmax(logits.float(), -1)
         rates.append(torch.minimum(p, q).sum(-1).flatten())            # [T-1]
     return float(torch.cat(rates).mean())
