@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -246,3 +247,33 @@ def test_gate_replay_fills_exactly_predicted_windows_without_overrun_and_trades_
     fill = [r["harvested_fraction"] for r in runs]
     late = [r["windows_overrun_fraction"] for r in runs]
     assert fill[0] < fill[1] < fill[2] and late[0] < late[1] < late[2]
+
+
+def test_pick_task_order_and_the_optimizer_step_as_the_tail_filler() -> None:
+    """A due optimizer step first, then verification, then training; with nothing else fitting, the
+    gradients accumulated so far are applied early; no task starts a window without room for a unit."""
+    from spectrain_workloads.drafter.gating import Budget, OpenWindow, pick_task
+
+    cost = CostModel()
+    cost.observe(UNIT_KEY, 5 * MS)
+    gate = Gate(policy="IdleOnly", kinds=["Bubble"], safety_margin_ms=0, min_window_ms=0, cost=cost,
+                tracker=WindowTracker())
+    w = OpenWindow(1, "Bubble", 0, 0, 0, 40 * MS)
+
+    def budget(ms: float) -> Budget:
+        return Budget(w, int(ms * MS), "")
+
+    optim, verify, train = ("optim", "o", 2 * MS, 0), ("verify", "v", 20 * MS, 0), ("train", ("train", 8), 8 * MS, 8)
+    pick = functools.partial(pick_task, gate, verify=verify, train=train)
+    assert pick(budget(30), starting=True, optim=optim, optim_due=True) == optim
+    assert pick(budget(30), starting=True, optim=optim, optim_due=False) == verify
+    assert pick(budget(10), starting=True, optim=optim, optim_due=False) == train
+    assert pick(budget(10), starting=False, optim=optim, optim_due=True) == optim
+    # the tail: no micro-step fits, the accumulated gradients are applied early
+    assert pick(budget(3), starting=False, optim=optim, optim_due=False) == optim
+    assert pick(budget(3), starting=False, optim=None, optim_due=False) is None
+    assert pick(budget(1), starting=False, optim=optim, optim_due=False) is None
+    # a window of 3 ms is shorter than the unit (5 ms): not started, not even for the optimizer step
+    assert pick(budget(3), starting=True, optim=optim, optim_due=True) is None
+    assert pick(budget(6), starting=True, optim=optim, optim_due=False) == optim
+    assert pick(budget(-1), starting=False, optim=optim, optim_due=True) is None

@@ -279,3 +279,27 @@ class Gate:
                 return False  # never measured (the worker measures before the first window)
             need = max(need, unit)
         return budget.remaining_ns >= need
+
+
+Task = tuple[str, Hashable, int | None, int]   # (name, cost key, predicted ns or None: unmeasured, micro-batch)
+
+
+def pick_task(gate: Gate, budget: Budget, *, starting: bool, optim: Task | None, optim_due: bool,
+              verify: Task | None, train: Task | None) -> Task | None:
+    """The first task, in this order, that the gate allows in `budget`, or None.
+
+    - the optimizer step, when due (`optim`: given whenever gradients are accumulated);
+    - the verification chunk (given when one is due or in progress);
+    - the training micro-step (the largest the budget fits);
+    - the optimizer step again, when not yet due: with nothing else fitting, the gradients
+      accumulated so far are applied early. The optimizer step is the drafter's cheapest task, so
+      it uses a window's tail, or a window too short for a micro-step, that would otherwise be
+      lost, and the next window starts with training instead of with the step.
+    A task that does not fit does not block the ones after it. Any task starts a window only with
+    room for a unit of work (Gate.allows): what is done in windows shorter than that stays out of the
+    windows the report counts as too short.
+    """
+    for task in (optim if optim_due else None, verify, train, None if optim_due else optim):
+        if task is not None and gate.allows(budget, task[2], starting=starting):
+            return task
+    return None

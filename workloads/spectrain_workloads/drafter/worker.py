@@ -31,7 +31,15 @@ from spectrain_workloads.drafter.combiner import (
     micro_key,
 )
 from spectrain_workloads.drafter.fleet import Fleet
-from spectrain_workloads.drafter.gating import UNIT_KEY, Budget, CostModel, Gate, WindowTracker
+from spectrain_workloads.drafter.gating import (
+    UNIT_KEY,
+    Budget,
+    CostModel,
+    Gate,
+    Task,
+    WindowTracker,
+    pick_task,
+)
 from spectrain_workloads.drafter.metrics import NO_WINDOW, Metrics, write_summary
 from spectrain_workloads.drafter.models import TargetShared, load_target_shared, shared_stamp
 from spectrain_workloads.drafter.replicas import Replicas
@@ -349,28 +357,18 @@ class Worker:
                 for a, b in bounds]
 
     # ------------------------------------------------------------ work inside windows
-    def _next_task(self, budget: Budget, starting: bool) -> tuple[str, Any, int | None, int] | None:
-        """(task, cost key, predicted cost, micro-batch) of the first task that fits, or None.
-
-        Priority: a due optimizer step, then a due verification chunk, then training. A task
-        that does not fit does not block the ones after it (a long verification chunk must not
-        starve training in short windows).
-        """
+    def _next_task(self, budget: Budget, starting: bool) -> Task | None:
+        """(task, cost key, predicted cost, micro-batch) of the first task that fits, or None
+        (the order and the rules: gating.pick_task)."""
         tr = self.trainer
         assert tr is not None
-        candidates: list[tuple[str, Any, int | None, int]] = []
-        if self.combiner.step_due():
-            candidates.append(("optim", OPTIM_KEY, self.cost.estimate(OPTIM_KEY), 0))
+        optim = ("optim", OPTIM_KEY, self.cost.estimate(OPTIM_KEY), 0) if self.combiner.accumulated > 0 else None
         due = time.monotonic() - self._last_verify >= self.s.verify_every_s and self.buffer.eval_fresh() > 0
-        if tr.verifier.in_progress or due:
-            candidates.append(("verify", VERIFY_KEY, self.cost.estimate(VERIFY_KEY), 0))
+        verify = ("verify", VERIFY_KEY, self.cost.estimate(VERIFY_KEY), 0) if tr.verifier.in_progress or due else None
         plan = self.combiner.plan(budget.remaining_ns, self.buffer.trainable())
-        if plan is not None:
-            candidates.append(("train", micro_key(plan.micro_batch), plan.cost_ns, plan.micro_batch))
-        for task in candidates:
-            if self.gate.allows(budget, task[2], starting=starting):
-                return task
-        return None
+        train = None if plan is None else ("train", micro_key(plan.micro_batch), plan.cost_ns, plan.micro_batch)
+        return pick_task(self.gate, budget, starting=starting, optim=optim, optim_due=self.combiner.step_due(),
+                         verify=verify, train=train)
 
     def _work(self) -> bool:
         """Run tasks while the gate allows; True if at least one ran."""
