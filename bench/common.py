@@ -91,6 +91,9 @@ def block_bootstrap_interval(items: list[Any], statistic: Callable[[list[Any]], 
     `block` items, which are drawn with replacement (seeded), so every resample keeps the interleaving
     pattern and the short-range correlation of neighbouring steps. A ratio whose interval straddles a
     goal is not shown met or missed by the run."""
+    if block < 1 or not 0 < level < 1 or resamples < 2:
+        raise ValueError(f"block_bootstrap_interval: block >= 1, level in (0, 1) and resamples >= 2, "
+                         f"got block={block}, level={level}, resamples={resamples}")
     blocks = [items[i:i + block] for i in range(0, len(items) - block + 1, block)]
     if len(blocks) < 2:
         return float("nan"), float("nan")

@@ -87,17 +87,24 @@ def replay(windows: list[dict[str, Any]], *, kind: str, confidence: float, margi
             "windows_overrun_fraction": overran / worked if worked else 0.0}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", type=Path, help="a `spectrain run --run-dir` directory (or its run/ subdirectory)")
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--kind", default="Bubble")
+    ap.add_argument("--kind", default="Bubble", choices=sorted(KINDS))
     ap.add_argument("--confidence", type=float, nargs="+", default=[0.8, 0.75, 0.7, 0.65])
     ap.add_argument("--margin-ms", type=float, nargs="+", default=[2.0])
     ap.add_argument("--task-ms", type=float, default=None, help="mean task length (default: the run's)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if not all(0 < c < 1 for c in a.confidence):
+        ap.error(f"--confidence values must be in (0, 1), got {a.confidence}")
+    if min(a.margin_ms) < 0 or (a.task_ms is not None and a.task_ms <= 0):
+        ap.error("--margin-ms must be >= 0 and --task-ms > 0")
     data = a.run / "run" if (a.run / "run" / "metrics").is_dir() else a.run
-    windows = _read(data / "metrics" / f"windows-rank-{a.rank}.jsonl")
+    path = data / "metrics" / f"windows-rank-{a.rank}.jsonl"
+    if not path.is_file():
+        ap.error(f"{path} does not exist: RUN is the --run-dir of a `spectrain run` (RANK one of its ranks)")
+    windows = _read(path)
     task_ms = a.task_ms or mean_task_ms(_read(data / "metrics" / f"drafter-rank-{a.rank}.jsonl"), a.kind)
     if task_ms is None:
         raise SystemExit(f"rank {a.rank}'s drafter ran no task in {a.kind} windows: pass --task-ms")

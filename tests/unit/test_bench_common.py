@@ -38,3 +38,10 @@ def test_the_interval_is_seeded_and_too_short_a_run_gives_none() -> None:
     assert block_bootstrap_interval(p, ratio, block=16) == block_bootstrap_interval(p, ratio, block=16)
     assert block_bootstrap_interval(p, ratio, block=16, seed=1) != block_bootstrap_interval(p, ratio, block=16)
     assert all(math.isnan(x) for x in block_bootstrap_interval(p[:20], ratio, block=16))
+
+
+def test_bad_bootstrap_arguments_are_named() -> None:
+    p = interleaved(64, 1.0, seed=3)
+    for kwargs in ({"block": 0}, {"block": 16, "level": 1.0}, {"block": 16, "resamples": 1}):
+        with pytest.raises(ValueError, match="block >= 1, level in \\(0, 1\\) and resamples >= 2"):
+            block_bootstrap_interval(p, ratio, **kwargs)  # type: ignore[arg-type]

@@ -277,3 +277,15 @@ def test_pick_task_order_and_the_optimizer_step_as_the_tail_filler() -> None:
     assert pick(budget(3), starting=True, optim=optim, optim_due=True) is None
     assert pick(budget(6), starting=True, optim=optim, optim_due=False) == optim
     assert pick(budget(-1), starting=False, optim=optim, optim_due=True) is None
+
+
+def test_gate_replay_names_a_bad_argument(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    main = _gate_replay().main
+    cases = [([str(tmp_path)], "does not exist: RUN is the --run-dir"),
+             ([str(tmp_path), "--confidence", "1.0"], "--confidence values must be in (0, 1)"),
+             ([str(tmp_path), "--task-ms", "-1"], "--task-ms > 0"),
+             ([str(tmp_path), "--kind", "Nap"], "invalid choice: 'Nap'")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err

@@ -293,8 +293,8 @@ def pick_task(gate: Gate, budget: Budget, *, starting: bool, optim: Task | None,
     - the training micro-step (the largest the budget fits);
     - the optimizer step again, when not yet due: with nothing else fitting, the gradients
       accumulated so far are applied early. The optimizer step is the drafter's cheapest task, so
-      it uses a window's tail, or a window too short for a micro-step, that would otherwise be
-      lost, and the next window starts with training instead of with the step.
+      it uses a window's tail that would otherwise be lost, and the next window starts with
+      training instead of with the step.
     A task that does not fit does not block the ones after it. Any task starts a window only with
     room for a unit of work (Gate.allows): what is done in windows shorter than that stays out of the
     windows the report counts as too short.
