@@ -16,6 +16,7 @@ from spectrain_workloads.target.window_predictors import (
     min_relative_error_center,
     peer_lag_ns,
     prefer_second,
+    usual_end,
 )
 
 pytestmark = pytest.mark.unit
@@ -117,6 +118,42 @@ def test_dp_buckets_after_the_first_completion_use_the_steps_lag(clock: _Clock) 
         _step(ins, 4)
         t = base + 400 * MS
         assert _bucket(ins, clock, 0, t, t + 1 * MS) == 1 * MS
+    finally:
+        ins.close()
+
+
+def test_usual_end_is_the_on_time_mode_of_a_bimodal_history() -> None:
+    on_time, late = [2.0, 2.5, 3.0, 2.2], [160.0, 170.0, 181.0, 175.0]
+    assert usual_end(on_time + late, 0.25) == 2.2      # nearest rank: sample 1 of 8 (0-based)
+    assert usual_end([late[0], on_time[0]], 0.25) == 2.0
+    assert usual_end(late + [3.0], 0.25) == 160.0       # a peer late in most steps is learned
+    assert usual_end([4.0], 0.25) == 4.0 and usual_end([], 0.25) == 0.0
+    assert usual_end(on_time + late, 1.0) == 181.0
+    with pytest.raises(ValueError, match="usual_end_quantile"):
+        InstrumentOptions(cost_path="", usual_end_quantile=1.5)
+
+
+def test_dp_rotating_straggler_predicts_the_on_time_end_and_the_late_steps_wait(clock: _Clock) -> None:
+    """Replicas take turns being slow: this one waits ~100 ms in every other step. The bucket is
+    predicted to end on time (its 1 ms link after the anchor), not between the modes, so the late
+    steps' wait is left to the Imbalance watch (it arms at the expected end + imbalance_min)."""
+    ins = _instr()
+    try:
+        for step in range(6):
+            _step(ins, step)
+            t = 1_000 * MS + step * 500 * MS
+            _bucket(ins, clock, 0, t, t + (101 if step % 2 else 1) * MS)
+        _step(ins, 6)
+        t = 4_000 * MS
+        assert _bucket(ins, clock, 0, t, t + 1 * MS) == 1 * MS
+        clock.t = t + 1 * MS
+        assert ins.expected_comm_end() == t + 1 * MS
+        for step in range(7, 13):       # then the peer is late in every step: that is learned
+            _step(ins, step)
+            t = 1_000 * MS + step * 500 * MS
+            _bucket(ins, clock, 0, t, t + 101 * MS)
+        _step(ins, 13)
+        assert _bucket(ins, clock, 0, 8_000 * MS, 8_101 * MS) == 101 * MS
     finally:
         ins.close()
 

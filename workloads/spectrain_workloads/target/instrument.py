@@ -22,8 +22,10 @@
   are anchored instead (`comm_open(anchor="dp")`): an all-reduce ends when the slowest replica
   launches the same bucket (measured: the early replica's bucket k ends 0.2-3 ms after the late
   one's launch of k), so its duration is the peer's remaining backward, not bytes / bandwidth. The
-  step's first bucket launch is the anchor; bucket k is predicted to end at anchor + the median of
-  its recent (end - anchor), at least its shortest recent duration (the link alone, peer already there).
+  step's first bucket launch is the anchor; bucket k is predicted to end at anchor + the lower
+  quartile of its recent (end - anchor) (`usual_end`: the on-time mode of a rotating straggler's
+  bimodal history, not a wait between the modes), at least its shortest recent duration (the link
+  alone, peer already there).
   Once a bucket of the step has completed, the peer's lag in this step is known (that bucket's end -
   its link time - its launch, `peer_lag_ns`), and the buckets launched after that are predicted as
   max(lag, 0) + their own link time (`lagged_prediction_ns`).
@@ -74,6 +76,7 @@ from spectrain_workloads.target.window_predictors import (
     min_relative_error_center,
     peer_lag_ns,
     prefer_second,
+    usual_end,
 )
 
 BUBBLE, COMMUNICATION, IMBALANCE, _ = WINDOW_KINDS
@@ -88,10 +91,15 @@ class InstrumentOptions:
     default_bytes_per_ns: float = 1.0      # 1 GB/s until a channel has been measured
     default_latency_ns: int = 50_000       # per-message latency until a channel has been measured
     history: int = 8                       # recent samples per bubble slot / transfer key (medians)
+    usual_end_quantile: float = 0.25       # DDP bucket end - anchor: the quantile predicted (usual_end)
     # Instrumentation cost accounting (bench-target's instrumentation_cost_fraction): when set, the
     # time spent inside this class's entry points (wall: perf_counter, CPU: thread_time) is summed per
     # step and written to <cost_path>-rank-<r>.json by close(). Unset (the default), nothing is wrapped.
     cost_path: str = field(default_factory=lambda: os.environ.get("SPECTRAIN_INSTRUMENT_COST_FILE", ""))
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.usual_end_quantile <= 1.0:
+            raise ValueError(f"InstrumentOptions.usual_end_quantile must be in [0, 1], got {self.usual_end_quantile}")
 
 
 @dataclass(slots=True)
@@ -147,7 +155,7 @@ class Instrument:
         self._link: dict[tuple[str, int], float] = {}              # (channel, bytes) -> shortest recent (pos -1)
         self._fit: dict[str, LinearFit] = {}                # channel -> latency + bytes / bandwidth
         self._rel_end: dict[tuple[str, int], deque[float]] = {}   # (channel, bytes) -> recent end - anchor
-        self._rel_med: dict[tuple[str, int], float] = {}          # ... -> their median
+        self._rel_usual: dict[tuple[str, int], float] = {}        # ... -> their usual_end
         self._slot_ratio: dict[int, deque[float]] = {}      # bubble slot -> recent actual / simulated
         self._slot_actual: dict[int, deque[float]] = {}     # bubble slot -> recent actual
         # bubble slot -> recent relative errors of (simulated x correction, slot history)
@@ -323,7 +331,7 @@ class Instrument:
 
         Once a transfer of the group has completed in this step, the peer's lag in this step is
         known (`peer_lag_ns`) and the transfer is predicted as lag (if the peer is behind) + its
-        link time; before that, as anchor + the median of its recent end - anchor."""
+        link time; before that, as anchor + the usual (`usual_end`) of its recent end - anchor."""
         a = self._anchor.get(group)
         if a is None or a[0] != self.step:
             a = self._anchor[group] = (self.step, now)
@@ -331,7 +339,7 @@ class Instrument:
         lag = self._lag.get(group)
         if lag is not None and lag[0] == self.step and link is not None:
             return a[1], lagged_prediction_ns(lag[1], link)
-        rel = self._rel_med.get((channel, nbytes))
+        rel = self._rel_usual.get((channel, nbytes))
         if rel is None:
             return a[1], 0
         return a[1], max(1, int(max(a[1] + rel - now, link if link is not None else 1.0)))
@@ -339,7 +347,7 @@ class Instrument:
     def comm_open(self, channel: str, nbytes: int, pos: int = -1, *, anchor: str = "") -> Window | None:
         """Open a Communication window. `anchor`: a group of transfers (the DDP buckets of a step)
         that all wait for the same peer event; the group's first launch in a step is its anchor, and
-        each transfer is predicted to end at anchor + the median of its recent end - anchor."""
+        each transfer is predicted to end at anchor + the usual (`usual_end`) of its recent end - anchor."""
         if not self.enabled:
             return None
         pred, anchor_ns = 0, 0
@@ -412,7 +420,7 @@ class Instrument:
             if key[2] == -1:
                 self._link[key[:2]] = min(d)
         for k in touched_rel:
-            self._rel_med[k] = statistics.median(self._rel_end[k])
+            self._rel_usual[k] = usual_end(self._rel_end[k], self.opts.usual_end_quantile)
         if self.sink is not None:
             for w, actual in closed:
                 self.sink(self._record(w, actual))

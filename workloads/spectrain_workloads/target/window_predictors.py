@@ -5,6 +5,7 @@ beyond their arguments), so that each is readable and testable on its own.
   sample of recent durations (transfers);
 - `prefer_second`: which of two predictors' recent errors is lower (per bubble slot);
 - `peer_lag_ns` / `lagged_prediction_ns`: a DDP bucket's end from the peer replica's lag in this step;
+- `usual_end`: a DDP bucket's end relative to its step's anchor, from its recent history;
 - `LinearFit`: latency + bytes / bandwidth of a channel, exponentially weighted.
 """
 
@@ -40,6 +41,21 @@ def prefer_second(errs_a: Iterable[float], errs_b: Iterable[float]) -> bool:
     """Whether predictor b's recent relative errors have a lower median than a's (ties: keep a)."""
     a, b = list(errs_a), list(errs_b)
     return bool(a) and bool(b) and statistics.median(b) < statistics.median(a)
+
+
+def usual_end(xs: Iterable[float], quantile: float) -> float:
+    """The end (relative to the step's anchor) that most recent steps reached: the lower
+    `quantile` of the samples, by nearest rank (a sample that happened, not an interpolation).
+
+    Not the median: a straggler that rotates over the replicas makes the history bimodal (on time,
+    or a peer's whole extra backward late), and the median of that lies between the modes, a wait
+    most steps do not have, so a drafter planning on it overruns the on-time steps. A low quantile
+    predicts the on-time mode; the late steps then show as Imbalance, which a drafter treats as
+    unplanned. A peer that is late in nearly every step still moves the quantile up to its lateness."""
+    v = sorted(xs)
+    if not v:
+        return 0.0
+    return v[int(quantile * (len(v) - 1))]
 
 
 def peer_lag_ns(launch_ns: int, end_ns: int, link_ns: float) -> float:
