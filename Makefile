@@ -67,7 +67,7 @@ demo: $(STAMP) ## run examples/demo.yaml locally (CPU, ~3 min) and print the hea
 	rm -rf runs/demo
 	$(VENV)/bin/spectrain run examples/demo.yaml --run-dir runs/demo --report
 
-demo-rl: $(STAMP) ## run examples/demo-rl.yaml locally (mode RL, ~70 s)
+demo-rl: $(STAMP) ## run examples/demo-rl.yaml locally (mode RL, ~3 min)
 	rm -rf runs/demo-rl
 	$(VENV)/bin/spectrain run examples/demo-rl.yaml --run-dir runs/demo-rl --report
 

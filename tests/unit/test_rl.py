@@ -34,7 +34,7 @@ def tiny_policy(seed: int = 0) -> Transformer:
     return m
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "copy", "sort"])
+@pytest.mark.parametrize("name", ["arithmetic", "copy", "sort", "alphabet"])
 def test_task_rewards_exact_partial_and_wrong(name: str) -> None:
     task = get_task(name, max_len=12)
     ex = task.sample(random.Random(0))
@@ -52,17 +52,24 @@ def test_task_rewards_exact_partial_and_wrong(name: str) -> None:
 def test_task_answers_are_correct_and_lengths_long_tailed() -> None:
     rng = random.Random(1)
     assert get_task("arithmetic").reward(Example("12+30=", "42"), TOKENIZER.encode("42", eos=True)) == 1.0
-    for name in ("copy", "sort", "arithmetic"):
+    for name in ("copy", "sort", "arithmetic", "alphabet"):
         task = get_task(name, max_len=40)
         exs = [task.sample(rng) for _ in range(2000)]
-        if name != "arithmetic":
+        if name == "alphabet":      # 'abc:<letter><n>=' -> n letters on from it, z wrapping to a
+            letters = "abcdefghijklmnopqrstuvwxyz" * 3
+            for e in exs:
+                start, n = e.prompt[4], int(e.prompt[5:-1])
+                assert e.answer == letters[letters.index(start):][:n], e
+            assert min(len(e.answer) for e in exs) == task.min_len and any("za" in e.answer for e in exs)   # wraps
+        elif name != "arithmetic":
             body = [e.prompt.split(":", 1)[1][:-1] for e in exs]
             assert all(e.answer == (b if name == "copy" else "".join(sorted(b))) for e, b in zip(exs, body, strict=True))
         else:
             assert all(str(eval(e.prompt[:-1])) == e.answer for e in exs[:200])   # noqa: S307 (digits and '+')
         lens = sorted(len(e.answer) for e in exs)
         median, p99 = lens[len(lens) // 2], lens[int(0.99 * len(lens))]
-        assert p99 >= 4 * median and max(lens) <= 40            # long tail, capped
+        # long tail, capped (alphabet's starts at 8 letters: the cap at 40 bounds its tail sooner)
+        assert p99 >= (2 if name == "alphabet" else 4) * median and max(lens) <= 40
     with pytest.raises(ConfigError, match="rl.task"):
         get_task("chess")
 

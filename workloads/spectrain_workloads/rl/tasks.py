@@ -1,4 +1,4 @@
-"""Verifiable-reward tasks for the RL mode (API.md `rl.task`): arithmetic, copy, sort.
+"""Verifiable-reward tasks for the RL mode (API.md `rl.task`): arithmetic, copy, sort, alphabet.
 
 Byte-level (ByteTokenizer): prompt = BOS + text, response = answer bytes + EOS. Problem sizes are
 long-tailed (Pareto-distributed lengths, capped), so most responses are short and a few are long:
@@ -107,7 +107,25 @@ class Sort(Task):
         return Example(f"sort:{s}=", "".join(sorted(s)))
 
 
-TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "copy": Copy, "sort": Sort}
+@dataclass(frozen=True, kw_only=True)
+class Alphabet(Task):
+    """'abc:<letter><n>=' -> n consecutive letters from that one (z wraps to a); n long-tailed from
+    `min_len` (capped at max_len). Long, mostly predictable responses (each letter follows from the
+    last; only the length needs the prompt's count), as the long reasoning traces of RL on a real
+    model are: rollouts of many decode steps, where speculative decoding pays, unlike copy's answers
+    of a letter or two (median ~2), which are mostly prefill."""
+
+    name: str = "alphabet"
+    min_len: int = 8
+
+    def sample(self, rng: random.Random) -> Example:
+        n = long_tail_length(rng, min(self.min_len, self.max_len), self.max_len, self.alpha)
+        start = rng.randrange(26)
+        letters = string.ascii_lowercase
+        return Example(f"abc:{letters[start]}{n}=", "".join(letters[(start + i) % 26] for i in range(n)))
+
+
+TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "copy": Copy, "sort": Sort, "alphabet": Alphabet}
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
@@ -116,4 +134,4 @@ def get_task(name: str, **kwargs: Any) -> Task:
     return TASKS[name](**kwargs)  # type: ignore[arg-type]
 
 
-__all__ = ["Arithmetic", "Copy", "Example", "Sort", "TASKS", "Task", "get_task", "long_tail_length"]
+__all__ = ["Alphabet", "Arithmetic", "Copy", "Example", "Sort", "TASKS", "Task", "get_task", "long_tail_length"]
