@@ -72,6 +72,8 @@ def test_task_answers_are_correct_and_lengths_long_tailed() -> None:
         assert p99 >= (2 if name == "alphabet" else 4) * median and max(lens) <= 40
     with pytest.raises(ConfigError, match="rl.task"):
         get_task("chess")
+    with pytest.raises(ConfigError, match="alphabet task min_len must be >= 1, got 0"):
+        get_task("alphabet", min_len=0)
 
 
 def test_group_advantages_are_normalised_per_group() -> None:

@@ -118,6 +118,11 @@ class Alphabet(Task):
     name: str = "alphabet"
     min_len: int = 8
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_len < 1:
+            raise ConfigError(f"alphabet task min_len must be >= 1, got {self.min_len}")
+
     def sample(self, rng: random.Random) -> Example:
         n = long_tail_length(rng, min(self.min_len, self.max_len), self.max_len, self.alpha)
         start = rng.randrange(26)

@@ -44,14 +44,16 @@ def prefer_second(errs_a: Iterable[float], errs_b: Iterable[float]) -> bool:
 
 
 def usual_end(xs: Iterable[float], quantile: float) -> float:
-    """The end (relative to the step's anchor) that most recent steps reached: the lower
-    `quantile` of the samples, by nearest rank (a sample that happened, not an interpolation).
+    """The end (relative to the step's anchor) that a 1 - `quantile` share of recent steps reached
+    or passed: the lower `quantile` of the samples, by nearest rank (a sample that happened, not an
+    interpolation).
 
     Not the median: a straggler that rotates over the replicas makes the history bimodal (on time,
     or a peer's whole extra backward late), and the median of that lies between the modes, a wait
     most steps do not have, so a drafter planning on it overruns the on-time steps. A low quantile
     predicts the on-time mode; the late steps then show as Imbalance, which a drafter treats as
-    unplanned. A peer that is late in nearly every step still moves the quantile up to its lateness."""
+    unplanned. A peer that is late in more than a 1 - `quantile` share of the steps moves it up to
+    its lateness."""
     v = sorted(xs)
     if not v:
         return 0.0
