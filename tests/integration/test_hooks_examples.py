@@ -28,21 +28,22 @@ from tests.launch import free_port
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = {"pipelining": 24, "ddp": 60}
-# The pipelining example's bubbles are checked step by step, so a few steps do. The DDP example's
-# windows on a 2-core CPU are about one drafter unit long, so the gate starts work in only a few in a
-# hundred of them: 24 steps (about 90 windows per rank) gave 2-17 worked windows per run here and, once
-# in CI, none; 60 steps (about 240 per rank, 11-20 worked) make a run that harvests nothing a finding.
+
+
+def _example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((REPO / "examples" / "byo" / f"{name}.yaml").read_text())
+
+
+# Both examples run as shipped: 60 steps, about 240 windows per rank. On a 2-core CPU their windows
+# are about one drafter unit long and the gate starts work in only a few percent of them, so with
+# fewer steps a run could harvest nothing by chance.
+STEPS = {name: _example(name)["spec"]["target"]["steps"] for name in ("pipelining", "ddp")}
 
 
 def _spectrain_run(tmp: Path, name: str) -> Path:
-    job = yaml.safe_load((REPO / "examples" / "byo" / f"{name}.yaml").read_text())
-    job["spec"]["target"]["args"] = [str(STEPS[name])]
-    job["spec"]["target"]["steps"] = STEPS[name]
-    manifest = tmp / f"{name}.yaml"
-    manifest.write_text(yaml.safe_dump(job))
-    res = subprocess.run([sys.executable, "-m", "spectrain_operator.cli", "run", str(manifest), "--run-dir",
-                          str(tmp / "run"), "-q"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-m", "spectrain_operator.cli", "run",
+                          str(REPO / "examples" / "byo" / f"{name}.yaml"), "--run-dir", str(tmp / "run"), "-q"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     return tmp / "run"
 
@@ -51,7 +52,8 @@ def _direct_run(name: str) -> list[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECTRAIN_")}
     env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
     script = REPO / "examples" / "byo" / f"{name}_train.py"
-    procs = [subprocess.Popen([sys.executable, str(script), str(STEPS[name])], env={**env, "RANK": str(r)}, cwd=REPO,
+    args = [str(a) for a in _example(name)["spec"]["target"]["args"]]
+    procs = [subprocess.Popen([sys.executable, str(script), *args], env={**env, "RANK": str(r)}, cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs
