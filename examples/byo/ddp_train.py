@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from spectrain_workloads import hooks
 from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
 
-STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 60
+STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 150
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH, BUCKET_MB = 264, 128, 4, 4, 128, 4, 1.0
 
 
@@ -65,7 +65,8 @@ def main() -> None:
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     print(f"rank {rank} weights {digest}", flush=True)
     pub.close()
-    dist.destroy_process_group()
+    dist.barrier()                                 # no rank tears gloo down while a peer is still in
+    dist.destroy_process_group()                   # its last collective (the peer would abort at exit)
 
 
 if __name__ == "__main__":

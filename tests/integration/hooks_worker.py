@@ -87,7 +87,8 @@ def main() -> None:
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in local)).hexdigest()
         print(f"{mode} rank {rank} weights {digest}", flush=True)
     pub.close()
-    dist.destroy_process_group()
+    dist.barrier()                                 # no rank tears gloo down while a peer is still in
+    dist.destroy_process_group()                   # its last collective (the peer would abort at exit)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,11 @@ def _example(name: str) -> dict[str, Any]:
     return yaml.safe_load((REPO / "examples" / "byo" / f"{name}.yaml").read_text())
 
 
-# Both examples run as shipped: 60 steps, about 240 windows per rank. On a 2-core CPU their windows
-# are about one drafter unit long and the gate starts work in only a few percent of them, so with
-# fewer steps a run could harvest nothing by chance.
+# Both examples run as shipped (pipelining 60 steps, DDP 150). On a 2-core CPU the DDP example's
+# windows are about one drafter unit long: the drafter works in a burst of windows after each cost
+# measurement, until costs paid beside the target's compute keep it out, and measures again after
+# REMEASURE_AFTER_S without work (drafter/worker.py). 150 steps leave each rank time for a second
+# measurement, so a run harvests nothing only if every burst on both ranks comes up empty.
 STEPS = {name: _example(name)["spec"]["target"]["steps"] for name in ("pipelining", "ddp")}
 
 
