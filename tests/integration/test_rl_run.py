@@ -50,10 +50,17 @@ def version(name: str | None) -> int:
     return int(name.removeprefix("v")) if name else 0
 
 
+# Steps of the first run, and of the resumed one. The first six rollout tails are about 1 ms (the
+# warmed-up policy's responses end together); the sidecar measures its costs in the first long tail
+# (step 6 or 7), then verifies its version 0 (about 7 chunks, 2-4 tails) before it trains, so the
+# first run goes on long enough for training tails after that.
+FIRST, RESUMED = 20, 24
+
+
 def test_rl_run_trains_the_drafter_in_rollout_tails_and_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     data = run_dir / "run"
-    run(rl_manifest(tmp_path, steps=12), run_dir)
+    run(rl_manifest(tmp_path, steps=FIRST), run_dir)
 
     # RolloutTail windows, closed with their measured length.
     windows = jsonl(data / "metrics" / "windows-rank-0.jsonl")
@@ -72,29 +79,29 @@ def test_rl_run_trains_the_drafter_in_rollout_tails_and_resumes(tmp_path: Path) 
     assert exported >= 1 and (export / "model.safetensors").stat().st_size > 0
     assert json.loads((export / "config.json").read_text())["arch"] == "Eagle"
     # Checkpoints (keep 2) and per-step metrics of the first run.
-    assert sorted(int(p.name.split("-")[1]) for p in data.glob("target/rank-0/step-*")) == [8, 12]
+    assert sorted(int(p.name.split("-")[1]) for p in data.glob("target/rank-0/step-*")) == [FIRST - 4, FIRST]
     steps = jsonl(data / "metrics" / "target-rank-0.jsonl")
-    assert [s["step"] for s in steps] == list(range(1, 13))
+    assert [s["step"] for s in steps] == list(range(1, FIRST + 1))
     assert all(s["response_len_max"] >= 1 and 0.0 <= s["reward"] <= 1.0 for s in steps)
     assert all(s["rollout_tokens_per_s"] > 0 for s in steps)
     # Plain reruns (side by side) only on every 4th step, and only once a drafter is loaded.
     measured = [s["step"] for s in steps if "rl_step_speedup" in s]
-    assert set(measured) <= {4, 8, 12} and all(s["drafter_version"] for s in steps if s["step"] in measured)
+    assert set(measured) <= set(range(4, FIRST + 1, 4)) and all(s["drafter_version"] for s in steps if s["step"] in measured)
 
-    # Resume with more steps: the policy continues from step 12, the sidecar from its checkpoint, and the
+    # Resume with more steps: the policy continues from step FIRST, the sidecar from its checkpoint, and the
     # first resumed rollout already speculates with the exported drafter (no version 0 restart).
-    run(rl_manifest(tmp_path, steps=16), run_dir, "--resume")
+    run(rl_manifest(tmp_path, steps=RESUMED), run_dir, "--resume")
     steps = jsonl(data / "metrics" / "target-rank-0.jsonl")
-    assert [s["step"] for s in steps] == list(range(1, 17))
-    resumed = steps[12:]
+    assert [s["step"] for s in steps] == list(range(1, RESUMED + 1))
+    resumed = steps[FIRST:]
     assert version(resumed[0]["drafter_version"]) >= exported
     assert all(version(s["drafter_version"]) >= 1 for s in resumed)
     assert sum(s["spec_steps"] for s in resumed) > 0 and max(s["acceptance_length"] for s in resumed) >= 1.0
-    last = resumed[-1]              # step 16: a drafter is loaded, so it was measured side by side
+    last = resumed[-1]              # step RESUMED, a multiple of 4: a drafter is loaded, so it was measured side by side
     assert last["plain_rollout_s"] > 0 and last["plain_rollout_tokens_per_s"] > 0 and last["rl_step_speedup"] > 0
     assert last["rl_step_speedup"] == pytest.approx((last["plain_rollout_s"] + last["train_s"]) / last["step_time_s"])
     setups = [e for e in jsonl(data / "metrics" / "drafter-rank-0.jsonl") if e["event"] == "setup"]
     assert len(setups) == 2 and setups[1]["resumed_version"] >= exported
-    assert sorted(int(p.name.split("-")[1]) for p in data.glob("target/rank-0/step-*")) == [12, 16]
+    assert sorted(int(p.name.split("-")[1]) for p in data.glob("target/rank-0/step-*")) == [FIRST, RESUMED]
     log = (run_dir / "logs").glob("*.target.log")
     assert any("rollouts use drafter" in p.read_text() for p in log)
