@@ -51,9 +51,10 @@ def version(name: str | None) -> int:
 
 
 # Steps of the first run, and of the resumed one. The first six rollout tails are about 1 ms (the
-# warmed-up policy's responses end together); the sidecar measures its costs in the first long tail
-# (step 6 or 7), then verifies its version 0 (about 7 chunks, 2-4 tails) before it trains, so the
-# first run goes on long enough for training tails after that.
+# warmed-up policy's responses end together), so the sidecar measures its costs only in one of the
+# first long tails. When its verification is already due by then (due counts from the sidecar's start,
+# and it waits seconds for weights and data under load), it verifies version 0 (about 7 chunks, 2-4
+# tails) before it trains: the first run goes on long enough for training tails after that.
 FIRST, RESUMED = 20, 24
 
 
