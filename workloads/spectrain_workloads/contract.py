@@ -73,6 +73,7 @@ EXIT_ERROR = 1                  # uncaught error
 EXIT_CONFIG = 2                 # ConfigError: the spec cannot run; the job fails, no restart
 EXIT_GPU_FAULT = 86             # a CUDA / MPS error was caught
 EXIT_TERMINATED = 128 + 15      # SIGTERM: checkpoint saved, then exit
+EXIT_PEER_FRAME = 87            # a drafter ended by what a peer sent: counted apart from its own faults
 GPU_FAULT_EXIT_CODES = frozenset({EXIT_GPU_FAULT, 134, 139})   # + SIGABRT, SIGSEGV from the driver
 TERMINATION_LOG = "/dev/termination-log"   # the kubelet's default terminationMessagePath
 # SingleContainer mode: the supervisor's verdict (JSON under this key) in the termination message.
@@ -90,6 +91,18 @@ ENV_DRAFTER_ENABLED = "SPECTRAIN_DRAFTER_ENABLED"
 ENV_DEVICE = "SPECTRAIN_DEVICE"
 ENV_METRICS_PORT = "SPECTRAIN_METRICS_PORT"
 ENV_TERMINATION_LOG = "SPECTRAIN_TERMINATION_LOG"   # where entrypoints write their fatal error
+# The drafter fleet's channel (docs/design.md, "Trust"): the per-job key (a Secret mounted only into
+# the drafter container; `spectrain run` writes one per run), the job identity every handshake and
+# frame MAC binds, and the pod's own addresses the drafter binds to (dual-stack: comma-separated).
+ENV_FLEET_KEY_FILE = "SPECTRAIN_FLEET_KEY_FILE"
+ENV_JOB_UID = "SPECTRAIN_JOB_UID"
+ENV_RESTART_GENERATION = "SPECTRAIN_RESTART_GENERATION"
+ENV_POD_IPS = "SPECTRAIN_POD_IPS"
+# A drafter disabled in place (past drafter.maxFailures): the operator sets this pod annotation, the
+# sidecar reads it from the downward-API file named by ENV_DRAFTER_CONTROL and idles (stays up, never
+# touches the GPU or the ring again); the target's pods are neither deleted nor restarted.
+ENV_DRAFTER_CONTROL = "SPECTRAIN_DRAFTER_CONTROL"
+ANNOTATION_DRAFTER_DISABLED = "spectrain.io/drafter-disabled"
 DEVICES = ("auto", "cpu", "cuda")
 
 
