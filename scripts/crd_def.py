@@ -235,7 +235,9 @@ def spec_schema() -> dict[str, Any]:
             "combineEverySeconds": n("Seconds between two rounds of averaging the drafters' replicas.",
                                      minimum=1, maximum=86400),
         }, default={}),
-        "maxFailures": i("Drafter crashes tolerated per rank before it is disabled (condition DrafterDegraded).",
+        "maxFailures": i("Drafter failures on one rank at which the drafter is disabled in place on every rank "
+                         f"(condition DrafterDegraded; exits with code {C.EXIT_PEER_FRAME}, a peer's frame, not "
+                         "counted); the target is never stopped or restarted for it.",
                          default=3, minimum=0, maximum=1000),
         "resources": resources("Compute resources of the drafter container."),
     }, default={}, rules=[rule("self == oldSelf", "spec.drafter is immutable; create a new SpecTrainJob instead")])
@@ -346,8 +348,23 @@ def status_schema() -> dict[str, Any]:
                        nullable=True),
         "podsCreated": b("Pods of the current restart generation were created (a missing pod then "
                          "means someone deleted it)."),
-        "drafterDisabled": b("The drafter was turned off (RestartWithoutDrafter or too many failures)."),
-        "drafterFailures": i("Most drafter failures seen on one rank.", minimum=0),
+        "drafterDisabled": b("The drafter was turned off: disabled in place (past drafter.maxFailures, or a "
+                             f"drafter failurePolicy rule; pods annotated {C.ANNOTATION_DRAFTER_DISABLED}, the "
+                             "target untouched), or by a RestartWithoutDrafter restart. Pods of later restart "
+                             "generations have no drafter."),
+        "drafterDisabledGeneration": i("Restart generation whose pods had the drafter when it was disabled "
+                                       "(they keep an idle sidecar); later generations are built without it.",
+                                       minimum=0),
+        "drafterFailures": i("Most drafter failures seen on one rank, peer-frame exits not included.", minimum=0),
+        "drafterPeerFailures": i(f"Drafter exits with code {C.EXIT_PEER_FRAME} (a peer's frame ended the "
+                                 "drafter): counted apart, never toward drafter.maxFailures.", minimum=0),
+        "drafterPeerFrames": o("Bookkeeping of drafterPeerFailures for the current pods, by node index: how "
+                               "many peer-frame exits were counted on that rank and the last one's finishedAt "
+                               "(restartCount minus count = the rank's own failures).",
+                               additionalProperties=o("One rank.", {
+                                   "count": i("Peer-frame exits counted on the rank.", minimum=0),
+                                   "last": s("finishedAt of the last one counted.", maxLength=64),
+                               }), maxProperties=100000),
         "lastFailure": s("Last target failure, one line.", maxLength=32768),
         "startTime": s("When the pods of this run were first created.", format="date-time", nullable=True),
         "completionTime": s("When the job reached Succeeded or Failed.", format="date-time", nullable=True),

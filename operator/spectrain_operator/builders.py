@@ -4,13 +4,15 @@ the local backend runs them, the operator creates them).
 
 Children (API.md): `<job>-config` ConfigMap (key config.json = the manifest with its spec
 defaulted), `<job>` headless Service, `<job>-status` ServiceAccount/Role/RoleBinding (the status
-path of docs/design.md), one Pod `<job>-<node>` per node with container `target` and the drafter as
-a native-sidecar init container, plus whatever gpu_sharing / scheduling add (ResourceClaimTemplate,
-PodGroup). Pod layout, env and volumes: docs/contracts.md.
+path of docs/design.md), `<job>-fleet-key` Secret (the drafters' per-job key; its random bytes are
+passed in, never made here), one Pod `<job>-<node>` per node with container `target` and the
+drafter as a native-sidecar init container, plus whatever gpu_sharing / scheduling add
+(ResourceClaimTemplate, PodGroup). Pod layout, env and volumes: docs/contracts.md.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from typing import Any
@@ -23,6 +25,14 @@ from spectrain_operator.objects import (
     owner_reference,
 )
 from spectrain_operator.objects import child_metadata as _meta
+from spectrain_workloads.contract import (
+    ANNOTATION_DRAFTER_DISABLED,
+    ENV_DRAFTER_CONTROL,
+    ENV_FLEET_KEY_FILE,
+    ENV_JOB_UID,
+    ENV_POD_IPS,
+    ENV_RESTART_GENERATION,
+)
 
 LABEL_NODE = "spectrain.io/node-index"
 LABEL_GENERATION = "spectrain.io/restart-generation"
@@ -39,6 +49,19 @@ MASTER_PORT = 29500
 TARGET_METRICS_PORT = 9400
 DRAFTER_METRICS_PORT = 9401
 DRAFTER_PORT = 29600       # the drafters' exchange (drafter.fleet); local rank i listens on + i
+# The drafter's downward-API file of its pod's annotations (kubelet format: one `key="value"` line
+# each): the operator disables a drafter in place by annotating its pod (ANNOTATION_DRAFTER_DISABLED).
+PODINFO_DIR = f"{CONFIG_DIR}/podinfo"
+PODINFO_ANNOTATIONS = "annotations"
+# The per-job fleet key: Secret `<job>-fleet-key`, data key `key` = 64 lowercase hex characters (32
+# random bytes), mounted only into the drafter container, readable by its user only.
+FLEET_KEY_DIR = f"{CONFIG_DIR}/fleet-key"
+FLEET_KEY_ITEM = "key"
+FLEET_KEY_BYTES = 32
+FLEET_KEY_MODE = 0o400
+# The drafter container's memory limit when spec.drafter.resources sets none (a user value wins): a
+# drafter that leaks or is fed oversized frames is OOM-killed alone (a drafter fault), never the node.
+DRAFTER_MEMORY_LIMIT = "8Gi"
 TARGET_COMMAND = ["spectrain-target"]
 DRAFTER_COMMAND = ["spectrain-drafter"]
 # The workloads write their fatal error line to /dev/termination-log; without one (a crash before
@@ -58,6 +81,10 @@ def service_name(job: Obj) -> str:
 
 def status_account_name(job: Obj) -> str:
     return f"{job['metadata']['name']}-status"
+
+
+def fleet_key_name(job: Obj) -> str:
+    return f"{job['metadata']['name']}-fleet-key"
 
 
 def pod_name(job: Obj, node: int) -> str:
@@ -133,6 +160,21 @@ def status_rbac(job: Obj) -> list[Obj]:
     ]
 
 
+def fleet_key_text(raw: bytes) -> str:
+    """The key as the drafters read it: 64 lowercase hex characters of FLEET_KEY_BYTES random bytes."""
+    if not isinstance(raw, bytes) or len(raw) != FLEET_KEY_BYTES:
+        raise ValueError(f"fleet key: need {FLEET_KEY_BYTES} random bytes (secrets.token_bytes), got "
+                         f"{len(raw) if isinstance(raw, bytes) else type(raw).__name__}")
+    return raw.hex()
+
+
+def fleet_key_secret(job: Obj, raw: bytes) -> Obj:
+    """Secret `<job>-fleet-key` holding `raw` (created once: create-or-get, never rotated)."""
+    text = fleet_key_text(raw)
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(job, fleet_key_name(job)), "type": "Opaque",
+            "data": {FLEET_KEY_ITEM: base64.b64encode(text.encode()).decode()}}
+
+
 # ---------------------------------------------------------------- pods
 
 def drafter_runs(job: Obj, drafter_disabled: bool = False) -> bool:
@@ -180,6 +222,45 @@ def _drafter_peers_env(job: Obj) -> list[Obj]:
     return [{"name": "SPECTRAIN_DRAFTER_PEERS", "value": peers}]
 
 
+def _drafter_identity_env(job: Obj, generation: int) -> list[Obj]:
+    """The fleet channel's inputs (docs/contracts.md): key file, job identity, the pod's own IPs, and
+    the control file through which a drafter disabled in place learns it."""
+    return [
+        {"name": ENV_FLEET_KEY_FILE, "value": f"{FLEET_KEY_DIR}/{FLEET_KEY_ITEM}"},
+        {"name": ENV_JOB_UID, "value": str(job["metadata"].get("uid") or "")},
+        {"name": ENV_RESTART_GENERATION, "value": str(generation)},
+        {"name": ENV_POD_IPS, "valueFrom": {"fieldRef": {"fieldPath": "status.podIPs"}}},
+        {"name": ENV_DRAFTER_CONTROL, "value": f"{PODINFO_DIR}/{PODINFO_ANNOTATIONS}"},
+    ]
+
+
+def _drafter_volumes(job: Obj) -> list[Obj]:
+    return [
+        {"name": "podinfo", "downwardAPI": {"items": [
+            {"path": PODINFO_ANNOTATIONS, "fieldRef": {"fieldPath": "metadata.annotations"}}]}},
+        {"name": "fleet-key", "secret": {"secretName": fleet_key_name(job), "defaultMode": FLEET_KEY_MODE}},
+    ]
+
+
+def _drafter_resources(job: Obj) -> Obj:
+    """spec.drafter.resources with a memory limit: the user's, else DRAFTER_MEMORY_LIMIT (raised to
+    the memory request when that is larger, so the limit is never below the request). Not in
+    SingleContainer mode: there the drafter is no container of its own, and gpu_sharing folds only
+    the user's resources into the target's."""
+    from spectrain_operator.gpu_sharing import parse_quantity, sharing_mode
+
+    res = copy.deepcopy(job["spec"]["drafter"].get("resources") or {})
+    if sharing_mode(job) == "SingleContainer":
+        return res
+    limits = res.setdefault("limits", {})
+    if "memory" not in limits:
+        request = (res.get("requests") or {}).get("memory")
+        above = request is not None and parse_quantity(request, "spec.drafter.resources.requests.memory") > \
+            parse_quantity(DRAFTER_MEMORY_LIMIT, "DRAFTER_MEMORY_LIMIT")
+        limits["memory"] = request if above else DRAFTER_MEMORY_LIMIT
+    return res
+
+
 def _mounts(job: Obj, *, data: bool) -> list[Obj]:
     mounts: list[Obj] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
@@ -210,8 +291,13 @@ def _volumes(job: Obj) -> list[Obj]:
     return volumes
 
 
-def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = False) -> tuple[Obj, list[Obj]]:
-    """Pod `<job>-<node>` and the extra objects gpu_sharing / scheduling need for it."""
+def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = False,
+        drafter_off: str = "") -> tuple[Obj, list[Obj]]:
+    """Pod `<job>-<node>` and the extra objects gpu_sharing / scheduling need for it.
+
+    `drafter_disabled`: no drafter sidecar (a generation after the drafter was disabled).
+    `drafter_off`: the drafter was disabled in place in this generation: the sidecar stays (the
+    pod matches its gang) and the pod carries ANNOTATION_DRAFTER_DISABLED = `drafter_off`."""
     from spectrain_operator import gpu_sharing, scheduling
 
     s = job["spec"]
@@ -238,11 +324,14 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
             "image": d.get("image") or t["image"],
             "command": list(DRAFTER_COMMAND),
             "restartPolicy": "Always",
-            "env": _env(job, node, True, DRAFTER_METRICS_PORT) + _drafter_peers_env(job),
+            "env": _env(job, node, True, DRAFTER_METRICS_PORT) + _drafter_peers_env(job)
+            + _drafter_identity_env(job, generation),
             "ports": [{"name": f"drafter-{i}" if i else "drafter", "containerPort": DRAFTER_PORT + i, "protocol": "TCP"}
                       for i in range(int(t["procsPerNode"]))],
-            "volumeMounts": _mounts(job, data=False),
-            "resources": copy.deepcopy(d.get("resources") or {}),
+            "volumeMounts": _mounts(job, data=False) + [
+                {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True},
+                {"name": "fleet-key", "mountPath": FLEET_KEY_DIR, "readOnly": True}],
+            "resources": _drafter_resources(job),
             "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         })
     labels = {LABEL_NODE: str(node), LABEL_GENERATION: str(generation)}
@@ -258,11 +347,13 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
             "enableServiceLinks": False,
             "initContainers": init,
             "containers": [target],
-            "volumes": _volumes(job),
+            "volumes": _volumes(job) + (_drafter_volumes(job) if drafter_on else []),
         },
     }
     if not init:
         del manifest["spec"]["initContainers"]
+    elif drafter_off:
+        manifest["metadata"]["annotations"] = {ANNOTATION_DRAFTER_DISABLED: drafter_off}
     extras = list(gpu_sharing.apply(manifest, job)) + list(scheduling.apply(manifest, job))
     for extra in extras:
         meta = extra.setdefault("metadata", {})
@@ -273,30 +364,34 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
     return manifest, extras
 
 
-def pods(job: Obj, *, generation: int = 0, drafter_disabled: bool = False,
+def pods(job: Obj, *, generation: int = 0, drafter_disabled: bool = False, drafter_off: str = "",
          nodes: list[int] | None = None) -> tuple[list[Obj], list[Obj]]:
     """Pods for the given node indices (default all) and their deduplicated extra objects."""
     out: list[Obj] = []
     extras: dict[tuple[str, str, str], Obj] = {}
     for node in range(int(job["spec"]["target"]["nodes"])) if nodes is None else nodes:
-        p, more = pod(job, node, generation=generation, drafter_disabled=drafter_disabled)
+        p, more = pod(job, node, generation=generation, drafter_disabled=drafter_disabled, drafter_off=drafter_off)
         out.append(p)
         for extra in more:
             extras.setdefault((extra.get("apiVersion", ""), extra.get("kind", ""), extra["metadata"]["name"]), extra)
     return out, list(extras.values())
 
 
-def children(job: Obj) -> list[Obj]:
-    """Everything but the pods, in creation order."""
-    return [*status_rbac(job), config_map(job), service(job)]
+def children(job: Obj, fleet_key: bytes | None = None) -> list[Obj]:
+    """Everything but the pods, in creation order; with `fleet_key` (random bytes), its Secret too
+    (only a job with a drafter needs one)."""
+    key = [fleet_key_secret(job, fleet_key)] if fleet_key is not None and drafter_runs(job) else []
+    return [*status_rbac(job), config_map(job), service(job), *key]
 
 
-def render(job: Obj, *, generation: int = 0, drafter_disabled: bool = False) -> list[Obj]:
-    """Every object the operator creates for a (defaulted, valid) job, in creation order."""
+def render(job: Obj, *, generation: int = 0, drafter_disabled: bool = False,
+           fleet_key: bytes | None = None) -> list[Obj]:
+    """Every object the operator creates for a (defaulted, valid) job, in creation order; the
+    fleet-key Secret only when `fleet_key` is given (the operator makes its bytes once per job)."""
     job = specmod.apply_defaults(job)
     job.setdefault("metadata", {}).setdefault("namespace", "default")
     pod_list, extras = pods(job, generation=generation, drafter_disabled=drafter_disabled)
-    return [*children(job), *extras, *pod_list]
+    return [*children(job, fleet_key), *extras, *pod_list]
 
 
 # Names the other modules use (the local backend, the tests).

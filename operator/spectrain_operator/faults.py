@@ -30,10 +30,13 @@ MPSDaemonLost, MPSServerLost, PodFailed.
 
 `action_for(fault, job)` returns one of ``FailJob``, ``RestartJob``, ``RestartJobIgnoreMax``,
 ``RestartWithoutDrafter`` (the API's failurePolicy actions), ``Ignore`` (nothing to do now:
-the kubelet restarts the drafter sidecar; surface DrafterDegraded with the fault's reason and
-message) or ``ConfigError`` (the default for a target's exit 2: fail the job now with reason
+the kubelet restarts the drafter sidecar), ``DisableDrafter`` (a drafter fault past
+``drafter.maxFailures``, or a drafter rule saying FailJob / RestartWithoutDrafter: the drafter is
+disabled in place, the target's pods are neither deleted nor restarted; only a default, a rule
+cannot name it) or ``ConfigError`` (the default for a target's exit 2: fail the job now with reason
 ConfigError, never restart it, since the same spec fails the same way; only a default, a rule
-cannot name it). It does not count restarts: applying maxRestarts to RestartJob is the caller's job.
+cannot name it). A drafter's ``EXIT_PEER_FRAME`` (87: a peer's frame ended it) is always
+``Ignore``: it is counted apart (status.drafterPeerFailures) and never toward maxFailures. It does not count restarts: applying maxRestarts to RestartJob is the caller's job.
 The workloads write their fatal error line as the termination message
 (spectrain_workloads.exitcodes.write_termination_message; the builders set
 ``terminationMessagePolicy: FallbackToLogsOnError``, so without one the kubelet puts the log's tail
@@ -54,6 +57,7 @@ from typing import Any
 from spectrain_workloads.contract import (
     EXIT_CONFIG,
     EXIT_OK,
+    EXIT_PEER_FRAME,
     GPU_FAULT_EXIT_CODES,
     MPS_LOSS_WINDOW_S,
     SUPERVISOR_VERDICT_KEY,
@@ -74,6 +78,7 @@ RESTART_JOB_IGNORE_MAX = "RestartJobIgnoreMax"
 RESTART_WITHOUT_DRAFTER = "RestartWithoutDrafter"
 IGNORE = "Ignore"
 CONFIG_ERROR = "ConfigError"  # default for a target's EXIT_CONFIG: fail now, reason ConfigError
+DISABLE_DRAFTER = "DisableDrafter"  # drafter faults: disable the drafter in place, the target untouched
 ACTIONS = (FAIL_JOB, RESTART_JOB, RESTART_JOB_IGNORE_MAX, RESTART_WITHOUT_DRAFTER)  # what rules may say
 MAX_ERROR_LINE_CHARS = 1000
 
@@ -314,12 +319,30 @@ def _first_action(job: dict, container: str, exit_code: int) -> str | None:
 
 
 def _drafter_safe(action: str) -> str:
-    """A drafter fault never fails the job and never spends the target's restart budget."""
+    """An MPS loss the drafter caused never fails the job and never spends the target's restart
+    budget (the target died too, so a restart is needed anyway)."""
     if action == FAIL_JOB:
         return RESTART_WITHOUT_DRAFTER
     if action == RESTART_JOB:
         return RESTART_JOB_IGNORE_MAX
     return action
+
+
+def _drafter_in_place(action: str) -> str:
+    """A drafter fault (the target still runs) never restarts the target unless a rule asks for a
+    restart: FailJob and RestartWithoutDrafter disable the drafter in place (the latter drops the
+    sidecar at the next restart the job needs anyway); RestartJob never spends the target's budget."""
+    if action in (FAIL_JOB, RESTART_WITHOUT_DRAFTER):
+        return DISABLE_DRAFTER
+    if action == RESTART_JOB:
+        return RESTART_JOB_IGNORE_MAX
+    return action
+
+
+def disable_reason(fault: PodFault, job: dict) -> str:
+    """Why a drafter fault disabled the drafter (DrafterDegraded's reason, the pod annotation's
+    value): the matching drafter rule's action, else TooManyFailures (drafter.maxFailures)."""
+    return _first_action(job, DRAFTER, fault.exit_code) or "TooManyFailures"
 
 
 def action_for(fault: PodFault, job: dict) -> str:
@@ -328,21 +351,25 @@ def action_for(fault: PodFault, job: dict) -> str:
     - target faults: the first rule for container target (or without a container) matching the
       exit code; default RestartJob, but ConfigError for EXIT_CONFIG (2: the spec cannot run, a
       restart would fail the same way). EXIT_UNKNOWN (no exit code): RestartJob, rules not consulted.
-    - drafter faults: the first rule for the drafter, made drafter-safe (FailJob ->
-      RestartWithoutDrafter, RestartJob -> RestartJobIgnoreMax); without a rule, Ignore while
-      `restarts < drafter.maxFailures`, then RestartWithoutDrafter. Exit 2 included: a drafter's
-      configuration error costs the job its drafter, never the job.
+    - drafter faults: EXIT_PEER_FRAME -> Ignore (rules not consulted: a peer's frame ended it);
+      otherwise the first rule for the drafter, applied in place (FailJob, RestartWithoutDrafter ->
+      DisableDrafter; RestartJob -> RestartJobIgnoreMax); without a rule, Ignore while
+      `restarts < drafter.maxFailures`, then DisableDrafter. `fault.restarts` must count the
+      drafter's own failures (status.py subtracts the peer-frame exits from restartCount). Exit 2
+      included: a drafter's configuration error costs the job its drafter, never the job.
     - MPS losses caused by the drafter: the first rule for the drafter matching its exit code,
       made drafter-safe (so a rule can say RestartWithoutDrafter); default RestartJob.
       Other MPS server losses: target rules on the target's exit code; default RestartJob.
       MPS daemon losses: RestartJob.
     """
     if fault.container == DRAFTER:
+        if fault.exit_code == EXIT_PEER_FRAME:
+            return IGNORE
         action = _first_action(job, DRAFTER, fault.exit_code)
         if action is not None:
-            return _drafter_safe(action)
+            return _drafter_in_place(action)
         max_failures = int(((job.get("spec") or {}).get("drafter") or {}).get("maxFailures", 3))
-        return RESTART_WITHOUT_DRAFTER if fault.restarts >= max_failures else IGNORE
+        return DISABLE_DRAFTER if fault.restarts >= max_failures else IGNORE
     if fault.container == MPS:
         if fault.caused_by_drafter:
             action = _first_action(job, DRAFTER, fault.exit_code)

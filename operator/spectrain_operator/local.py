@@ -5,7 +5,14 @@ source of the pod layout), and runs each pod's containers with the same env, com
 volumes: memory-backed emptyDirs become directories on a tmpfs (/dev/shm), other volumes
 directories under the run dir, the ConfigMap becomes files, the rendezvous goes to loopback.
 Native sidecars (init containers with restartPolicy Always) start first and are restarted when
-they exit, like the kubelet does; the job's exit code is the targets' outcome. Targets are never
+they exit, like the kubelet does; the job's exit code is the targets' outcome. A drafter past
+drafter.maxFailures (or matched by a drafter failurePolicy rule that disables it) is disabled in
+place as on a cluster: every pod's control file (the downward-API file of its annotations,
+`pods/<pod>/podinfo/annotations`, in the kubelet's `key="value"` format) gets
+ANNOTATION_DRAFTER_DISABLED, the sidecar is restarted once more and idles, and `status.json` says
+`drafterDisabled` with a DrafterDegraded condition. Exits with EXIT_PEER_FRAME are counted apart.
+The drafters' fleet key is one per run dir (`fleet/key`, mode 0600, kept for `--resume`), and so
+is the job's identity (`fleet/job-uid`, a uuid4: the pods' ENV_JOB_UID). Targets are never
 restarted: the first failing target stops the run, which ends Failed with the reason the
 operator's failure policy gives its exit (a target's exit 2 without a matching rule: ConfigError)
 and the workload's termination message (SPECTRAIN_TERMINATION_LOG, a file per container under
@@ -21,12 +28,14 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +45,13 @@ import yaml
 
 from spectrain_operator import builders, faults, spec
 from spectrain_operator.progress import ProgressView
-from spectrain_workloads.contract import ENV_TERMINATION_LOG, KIND
+from spectrain_workloads.contract import (
+    ANNOTATION_DRAFTER_DISABLED,
+    ENV_DRAFTER_CONTROL,
+    ENV_TERMINATION_LOG,
+    EXIT_PEER_FRAME,
+    KIND,
+)
 from spectrain_workloads.exitcodes import returncode_to_exit
 
 SHM_ROOT = Path(os.environ.get("SPECTRAIN_SHM_ROOT", "/dev/shm"))
@@ -54,6 +69,9 @@ class LocalContainer:
     termination_log: Path | None = None   # SPECTRAIN_TERMINATION_LOG: the kubelet's termination message file
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    failures: int = 0          # sidecar exits counted toward drafter.maxFailures
+    peer_failures: int = 0     # drafter exits with EXIT_PEER_FRAME: counted apart
+    starts_after_off: int = 0  # starts since the drafter was disabled in place (at most one)
     exit_code: int | None = None
 
 
@@ -67,6 +85,7 @@ class LocalRun:
     max_sidecar_restarts: int = 3
     job: dict[str, Any] = field(default_factory=dict)   # the defaulted SpecTrainJob (its failurePolicy)
     outcome: dict[str, Any] | None = None                 # status.json: phase, reason, message, exitCode
+    drafter_off: dict[str, str] | None = None             # disabled in place: {reason, message}
 
     @property
     def targets(self) -> list[LocalContainer]:
@@ -145,8 +164,37 @@ def _resolve_command(argv: list[str]) -> list[str]:
     return argv
 
 
+FLEET_DIR = "fleet"            # under the run dir: the run's fleet key and job identity
+JOB_UID_FILE = "job-uid"
+
+
+def run_identity(run_dir: Path) -> str:
+    """The run's job uid (a uuid4) and fleet key (`fleet/key`: 64 hex chars, mode 0600), made on
+    the first run of `run_dir` and kept for `--resume` (a Secret lives as long as its job)."""
+    fleet = run_dir / FLEET_DIR
+    fleet.mkdir(parents=True, exist_ok=True)
+    key = fleet / builders.FLEET_KEY_ITEM
+    if not key.exists():
+        text = builders.fleet_key_text(secrets.token_bytes(builders.FLEET_KEY_BYTES))
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    uid_file = fleet / JOB_UID_FILE
+    if not uid_file.exists():
+        uid_file.write_text(str(uuid.uuid4()))
+    return uid_file.read_text().strip()
+
+
+def write_control_file(path: Path, annotations: dict[str, str]) -> None:
+    """A pod's annotations as the kubelet's downward API writes them (one `key="value"` line each,
+    sorted, Go-quoted), replaced atomically so a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{k}={json.dumps(v)}\n" for k, v in sorted(annotations.items())))
+    os.replace(tmp, path)
+
+
 def _volume_dirs(pod: dict[str, Any], configmaps: dict[str, dict[str, Any]], run_dir: Path,
-                 shm_dir: Path) -> dict[str, Path]:
+                 shm_dir: Path, fleet_secret: str) -> dict[str, Path]:
     """Host directory for every pod volume."""
     name = pod["metadata"]["name"]
     dirs: dict[str, Path] = {}
@@ -170,6 +218,16 @@ def _volume_dirs(pod: dict[str, Any], configmaps: dict[str, dict[str, Any]], run
             d.mkdir(parents=True, exist_ok=True)
             for key, text in (cm.get("data") or {}).items():
                 (d / key).write_text(text)
+        elif "secret" in vol:
+            if vol["secret"].get("secretName") != fleet_secret:
+                raise SystemExit(f"pod {name}: volume {vname} names Secret {vol['secret'].get('secretName')} "
+                                 "that the local backend does not make")
+            d = run_dir / FLEET_DIR                 # the run's key, shared like the job's Secret
+        elif "downwardAPI" in vol:
+            d = run_dir / "pods" / name / vname
+            d.mkdir(parents=True, exist_ok=True)
+            for item in vol["downwardAPI"].get("items", []):   # a fresh pod: no annotations yet
+                write_control_file(d / item["path"], {})
         else:
             d = run_dir / "pods" / name / vname
         d.mkdir(parents=True, exist_ok=True)
@@ -187,7 +245,8 @@ def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Pat
         else:
             ref = (item.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath", "")
             value = {"metadata.name": meta["name"], "metadata.namespace": meta.get("namespace", "default"),
-                     "status.podIP": "127.0.0.1", "spec.nodeName": socket.gethostname()}.get(ref, "")
+                     "status.podIP": "127.0.0.1", "status.podIPs": "127.0.0.1",
+                     "spec.nodeName": socket.gethostname()}.get(ref, "")
         # Paths under a mountPath point at the host directory behind that mount.
         for mount_path, host in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
             if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
@@ -218,11 +277,12 @@ def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None
     errors = spec.validate(job)
     if errors:
         raise SystemExit("invalid SpecTrainJob:\n" + "\n".join(f"  {e}" for e in errors))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job["metadata"]["uid"] = run_identity(run_dir)   # the pods' ENV_JOB_UID, stable across --resume
     # --baseline: the same pods with the drafter off, exactly as RestartWithoutDrafter builds them.
     children = builders.build_children(job, drafter_disabled=not drafter)
     pods = [o for o in children if o["kind"] == "Pod"]
     configmaps = {o["metadata"]["name"]: o for o in children if o["kind"] == "ConfigMap"}
-    run_dir.mkdir(parents=True, exist_ok=True)
     shm = shm_dir or SHM_ROOT / f"spectrain-{os.getpid()}-{job['metadata']['name']}"
     run = LocalRun(run_dir=run_dir, shm_dir=shm, job=job,
                    max_sidecar_restarts=int(job["spec"]["drafter"].get("maxFailures", 3)))
@@ -234,7 +294,7 @@ def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None
         peer_ports.append(free_port_block(procs, exclude={master_port, *(p + i for p in peer_ports for i in range(procs))}))
     (run_dir / "logs").mkdir(exist_ok=True)
     for pod in pods:
-        vols = _volume_dirs(pod, configmaps, run_dir, shm)
+        vols = _volume_dirs(pod, configmaps, run_dir, shm, builders.fleet_key_name(job))
         pspec = pod["spec"]
         entries = [(c, c.get("restartPolicy") == "Always") for c in pspec.get("initContainers", [])]
         entries += [(c, False) for c in pspec["containers"]]
@@ -315,7 +375,65 @@ def failure_outcome(run: LocalRun, c: LocalContainer) -> dict[str, Any]:
     return {"phase": "Failed", "reason": reason, "message": f"{c.pod}: {fault.message}", "exitCode": code}
 
 
+def _sidecar_exited(run: LocalRun, c: LocalContainer) -> bool:
+    """Count a sidecar's exit; whether to start it again. A drafter's exit never fails the job; the
+    operator's policy (faults.action_for) decides when it is disabled in place: then every pod's
+    control file says so, and each drafter is started at most once more (it reads the file and
+    idles). Other sidecars are restarted up to drafter.maxFailures times, as before."""
+    assert c.proc is not None
+    code = returncode_to_exit(int(c.proc.returncode))
+    c.proc = None
+    if c.name != faults.DRAFTER:
+        c.failures += 1
+        return c.failures <= run.max_sidecar_restarts
+    _count(c, code)
+    if run.drafter_off is not None:   # disabled: one more start (it reads the control file and idles)
+        c.starts_after_off += 1
+        return c.starts_after_off <= 1
+    fault = faults.PodFault(faults.DRAFTER, code, "DrafterFailed", f"drafter exited with code {code}",
+                            restarts=c.failures)
+    try:
+        action = faults.action_for(fault, run.job)
+        why = faults.disable_reason(fault, run.job) if action == faults.DISABLE_DRAFTER else ""
+    except ValueError as exc:   # spec.validate checked the rules; keep the drafter restarting
+        sys.stderr.write(f"{c.pod}/{c.name}: {exc}\n")
+        return True
+    if action == faults.DISABLE_DRAFTER:
+        c.starts_after_off = 1
+        disable_drafter(run, why, f"{c.pod}: drafter exited with code {code}, {c.failures} failure(s) "
+                                  f"(maxFailures {run.max_sidecar_restarts}); disabled in place, the target "
+                                  "keeps running")
+    return True
+
+
+def _count(c: LocalContainer, code: int) -> None:
+    if code == EXIT_PEER_FRAME:
+        c.peer_failures += 1
+    else:
+        c.failures += 1
+
+
+def disable_drafter(run: LocalRun, reason: str, message: str) -> None:
+    """Disable every drafter of the run in place: the annotation in each pod's control file."""
+    run.drafter_off = {"reason": reason, "message": message}
+    for path in sorted({c.env[ENV_DRAFTER_CONTROL] for c in run.sidecars if ENV_DRAFTER_CONTROL in c.env}):
+        write_control_file(Path(path), {ANNOTATION_DRAFTER_DISABLED: reason})
+    sys.stderr.write(f"drafter disabled ({reason}): {message}\n")
+
+
+def _drafter_status(run: LocalRun) -> dict[str, Any]:
+    """The status fields of the run's drafters (as the operator's status names them)."""
+    drafters = [c for c in run.sidecars if c.name == faults.DRAFTER]
+    out: dict[str, Any] = {"drafterDisabled": run.drafter_off is not None,
+                           "drafterFailures": max((c.failures for c in drafters), default=0),
+                           "drafterPeerFailures": sum(c.peer_failures for c in drafters)}
+    if run.drafter_off is not None:
+        out["conditions"] = [{"type": "DrafterDegraded", "status": "True", **run.drafter_off}]
+    return out
+
+
 def _finish(run: LocalRun, outcome: dict[str, Any]) -> None:
+    outcome = {**outcome, **_drafter_status(run)}
     run.outcome = outcome
     with contextlib.suppress(OSError):
         (run.run_dir / "status.json").write_text(json.dumps(outcome, indent=2))
@@ -365,11 +483,9 @@ def execute(run: LocalRun, *, view: ProgressView | None = None, poll_s: float = 
                               "message": f"all {len(run.targets)} target container(s) exited 0"})
                 return 0
             for c in run.sidecars:
-                if c.proc is not None and c.proc.poll() is not None:
-                    # A drafter failure never fails the job; restart it like the kubelet would.
-                    if c.restarts < run.max_sidecar_restarts:
-                        c.restarts += 1
-                        _start(c)
+                if c.proc is not None and c.proc.poll() is not None and _sidecar_exited(run, c):
+                    c.restarts += 1      # restart it like the kubelet would
+                    _start(c)
             if view is not None:
                 view.refresh()
             time.sleep(poll_s)

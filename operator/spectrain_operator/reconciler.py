@@ -19,6 +19,7 @@ import heapq
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from spectrain_operator import builders, gpu_sharing, metrics, scheduling
 from spectrain_operator import spec as specmod
 from spectrain_operator import status as statusmod
 from spectrain_operator.kube import DRA_API_VERSION, Kube, RejectedError, TransientError
+from spectrain_workloads.contract import ANNOTATION_DRAFTER_DISABLED
 
 Obj = dict[str, Any]
 log = logging.getLogger("spectrain.reconciler")
@@ -330,10 +332,13 @@ class Reconciler:
             return statusmod.decide(job, pods, now, errors)
         try:
             pod_objs, extras = builders.pods(job, generation=plan.generation, drafter_disabled=plan.drafter_disabled,
-                                             nodes=plan.create_nodes)
+                                             drafter_off=plan.drafter_off, nodes=plan.create_nodes)
             # Everything but the pods first (the ServiceAccount must exist before a pod naming it
-            # is admitted), then the pods; within each group, order does not matter.
-            self._create_all([*builders.children(job), *extras])
+            # is admitted), then the pods; within each group, order does not matter. The fleet key's
+            # bytes are fresh on every such pass, but create-or-get keeps the first Secret: one key
+            # per job, never rotated while the job lives.
+            key = secrets.token_bytes(builders.FLEET_KEY_BYTES)
+            self._create_all([*builders.children(job, fleet_key=key), *extras])
             self._create_all(pod_objs)
         except (ValueError, RejectedError) as exc:  # a builder refusing the spec, or the API server refusing a child
             return statusmod.decide(job, pods, now, [str(exc)])
@@ -376,6 +381,9 @@ class Reconciler:
         ns, name = meta["namespace"], meta["name"]
         for pod_name in plan.delete_pods:
             self.kube.delete_pod(ns, pod_name)
+        # A drafter disabled in place: its sidecar reads the annotation (downward API) and idles.
+        for pod_name in plan.annotate_pods:
+            self.kube.annotate_pod(ns, pod_name, {ANNOTATION_DRAFTER_DISABLED: plan.drafter_off})
         old: Obj = job["status"] if isinstance(job.get("status"), dict) else {}
         self._write_status(job, plan.status, old, plan.events)
         metrics.set_phase(ns, name, plan.status.get("phase", "Pending"))

@@ -12,18 +12,22 @@ handlers.py wires it to kopf. The whole lifecycle of API.md lives here:
   RestartJob, RestartJobIgnoreMax, RestartWithoutDrafter);
 - a target's exit 2 (configuration error) that no rule matches: Failed/ConfigError at once, no
   restart, the workload's error line (its termination message) in the condition;
-- drafter failures never fail the job: counted, and past drafter.maxFailures the drafter is
-  disabled (DrafterDegraded);
+- drafter failures never fail the job and never restart the target: counted, and past
+  drafter.maxFailures (or by a drafter rule FailJob / RestartWithoutDrafter) the drafter is disabled
+  in place (DrafterDegraded; every pod annotated ANNOTATION_DRAFTER_DISABLED, which the sidecar
+  reads and then idles); the next restart the job needs anyway builds pods without it. Exits with
+  EXIT_PEER_FRAME (a peer's frame ended the drafter) are counted apart (drafterPeerFailures);
 - pods deleted by someone else are recreated, counted as a restart (not against maxRestarts);
 - Succeeded when every target container exited 0.
 
 State that must survive an operator restart lives in the status (restarts, restartGeneration,
-restartAt, podsCreated, drafterDisabled); every field is parsed defensively, so a status written
-by a user cannot crash the operator.
+restartAt, podsCreated, drafterDisabled, drafterDisabledGeneration, drafterPeerFrames); every field
+is parsed defensively, so a status written by a user cannot crash the operator.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -31,7 +35,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from spectrain_operator import builders, faults, scheduling
-from spectrain_workloads.contract import PHASES
+from spectrain_workloads.contract import ANNOTATION_DRAFTER_DISABLED, EXIT_PEER_FRAME, PHASES
 
 Obj = dict[str, Any]
 
@@ -56,7 +60,9 @@ class Plan:
     delete_job: bool = False
     requeue_after: float | None = None
     generation: int = 0
-    drafter_disabled: bool = False
+    drafter_disabled: bool = False      # pods of `generation` are built without the drafter sidecar
+    drafter_off: str = ""               # disabled in place in `generation`: the pods' annotation value
+    annotate_pods: list[str] = field(default_factory=list)  # current pods still lacking that annotation
 
     def requeue(self, seconds: float) -> None:
         seconds = max(0.0, seconds)
@@ -172,6 +178,20 @@ def pod_node(pod: Obj) -> int | None:
         return None
 
 
+def _opt_nonneg_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _peer_frames(value: Any, nodes: int) -> dict[str, Obj]:
+    """status.drafterPeerFrames, parsed defensively: node index -> {count, last}."""
+    out: dict[str, Obj] = {}
+    for key, rec in (value if isinstance(value, dict) else {}).items():
+        if isinstance(key, str) and key.isdigit() and int(key) < nodes and isinstance(rec, dict) \
+                and _nonneg_int(rec.get("count")) and isinstance(rec.get("last"), str):
+            out[key] = {"count": _nonneg_int(rec["count"]), "last": rec["last"][:64]}
+    return out
+
+
 def _annotation(pod: Obj, key: str) -> Obj | None:
     raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(key)
     if not isinstance(raw, str) or len(raw) > 65536:
@@ -279,7 +299,10 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
         "restartAt": fmt_time(t) if (t := parse_time(old.get("restartAt"))) else None,
         "podsCreated": old.get("podsCreated") is True,
         "drafterDisabled": old.get("drafterDisabled") is True,
+        "drafterDisabledGeneration": _opt_nonneg_int(old.get("drafterDisabledGeneration")),
         "drafterFailures": _nonneg_int(old.get("drafterFailures")),
+        "drafterPeerFailures": _nonneg_int(old.get("drafterPeerFailures")),
+        "drafterPeerFrames": _peer_frames(old.get("drafterPeerFrames"), nodes),
         "lastFailure": old["lastFailure"][:2000] if isinstance(old.get("lastFailure"), str) else None,
         "startTime": fmt_time(t) if (t := parse_time(old.get("startTime"))) else None,
         "completionTime": fmt_time(t) if (t := parse_time(old.get("completionTime"))) else None,
@@ -324,8 +347,10 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
         attempt = st["restartsTowardsMax"] if counted else st["restarts"]
         delay = 0.0 if immediate else backoff_seconds(run_policy["backoffSeconds"], attempt)
         st["restartAt"] = fmt_time(now + timedelta(seconds=delay)) if delay else None
+        st["drafterPeerFrames"] = {}   # bookkeeping of the pods being replaced
         if without_drafter and not st["drafterDisabled"]:
             st["drafterDisabled"] = True
+            st["drafterDisabledGeneration"] = st["restartGeneration"] - 1   # the new pods have no drafter
             conds.set("DrafterDegraded", True, "RestartWithoutDrafter", text)
         plan.generation = st["restartGeneration"]
         plan.delete_pods = [p["metadata"]["name"] for p in live]
@@ -334,6 +359,10 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
         plan.requeue(delay)
         conds.set("Restarting", True, why, text)
         return "Restarting", why, text
+
+    # drafter crashes: peer-frame exits counted apart; the rest are the drafter's own failures
+    drafter_enabled = bool(spec["drafter"]["enabled"])
+    own_failures = _drafter_accounting(job, st, current, plan) if current and drafter_enabled else {}
 
     # 1. a spec that cannot run: Failed + SpecInvalid, nothing created
     if spec_errors:
@@ -370,22 +399,8 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
         if conds.is_true("Suspended"):
             conds.set("Suspended", False, "Resumed", "spec.suspend is false: pods recreated from the last checkpoint")
         phase, reason, message = _run(job, st, conds, plan, current, stale, pods, names_in_use, busy, now, restart,
-                                      finish)
-
-    # drafter failures (never fail the job)
-    drafter_enabled = bool(spec["drafter"]["enabled"])
-    if current and drafter_enabled:
-        restarts_seen = max((_nonneg_int((_container(p, "drafter", init=True) or {}).get("restartCount"))
-                             for p in current.values()), default=0)
-        st["drafterFailures"] = max(st["drafterFailures"], restarts_seen)
-        limit = int(spec["drafter"]["maxFailures"])
-        if st["drafterFailures"] > limit and not st["drafterDisabled"] and phase not in TERMINAL:
-            st["drafterDisabled"] = True
-            text = (f"the drafter failed {st['drafterFailures']} times on one rank (maxFailures {limit}); "
-                    "it is disabled from the next restart on")
-            conds.set("DrafterDegraded", True, "TooManyFailures", text)
-            plan.events.append(Event("Warning", "DrafterDegraded", text))
-    plan.drafter_disabled = st["drafterDisabled"]
+                                      finish, own_failures)
+    _drafter_plan(st, conds, plan, current, phase)
 
     # Kueue holds the pods (its admission gate) until it admits the pod group
     if phase not in TERMINAL and any(scheduling.KUEUE_SCHEDULING_GATE in _gates(p) for p in current.values()):
@@ -433,7 +448,7 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
         left = (parse_time(st["startTime"]) + timedelta(seconds=deadline) - now).total_seconds()  # type: ignore[operator]
         plan.requeue(left)
     # Empty strings and nulls are left out: the status only holds what is known.
-    for key in [k for k, v in st.items() if v is None or v == ""]:
+    for key in [k for k, v in st.items() if v is None or v == "" or v == {}]:
         del st[key]
     if not st["drafter"].get("artifact"):
         st["drafter"].pop("artifact", None)
@@ -442,7 +457,7 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
 
 def _run(job: Obj, st: Obj, conds: Conditions, plan: Plan, current: dict[int, Obj], stale: list[str],
          pods: list[Obj], names_in_use: set[str], busy: set[int], now: datetime, restart: Any,
-         finish: Any) -> tuple[str, str, str]:
+         finish: Any, own_failures: dict[int, int]) -> tuple[str, str, str]:
     """The job is neither invalid, finished, past its deadline nor suspended."""
     spec = job["spec"]
     nodes = int(spec["target"]["nodes"])
@@ -461,6 +476,8 @@ def _run(job: Obj, st: Obj, conds: Conditions, plan: Plan, current: dict[int, Ob
         fault = faults.classify_pod(current[node])
         if fault is None:
             continue
+        if fault.container == faults.DRAFTER:   # maxFailures counts the drafter's own failures only
+            fault = dataclasses.replace(fault, restarts=own_failures.get(node, fault.restarts))
         try:
             action = faults.action_for(fault, job)
         except ValueError as exc:
@@ -468,6 +485,9 @@ def _run(job: Obj, st: Obj, conds: Conditions, plan: Plan, current: dict[int, Ob
         by_drafter = fault.container == faults.DRAFTER or fault.caused_by_drafter
         text = f"{builders.pod_name(job, node)}: {fault.message or fault.reason}"
         if action == faults.IGNORE:
+            continue
+        if action == faults.DISABLE_DRAFTER:
+            _disable_drafter(job, st, conds, plan, fault, text)
             continue
         if action == faults.CONFIG_ERROR:
             st["lastFailure"] = text[:2000]
@@ -529,6 +549,93 @@ def _run(job: Obj, st: Obj, conds: Conditions, plan: Plan, current: dict[int, Ob
     if any(scheduling.KUEUE_SCHEDULING_GATE in _gates(p) for p in current.values()):
         return "Pending", "Queued", _queued_message(job)
     return "Pending", "Unscheduled", "waiting for pods to be scheduled"
+
+
+def _last_termination(c: Obj) -> Obj | None:
+    for key in ("state", "lastState"):
+        term = (c.get(key) or {}).get("terminated") if isinstance(c.get(key), dict) else None
+        if isinstance(term, dict):
+            return term
+    return None
+
+
+def _drafter_accounting(job: Obj, st: Obj, current: dict[int, Obj], plan: Plan) -> dict[int, int]:
+    """Count the current pods' drafter crashes; return each rank's own failures.
+
+    The kubelet's restartCount counts every crash of the sidecar; a crash with EXIT_PEER_FRAME (a
+    peer's frame ended the drafter) is not the drafter's own failure. Each pass sees the latest
+    termination only (state, else lastState), so peer-frame exits are counted per rank across
+    passes (status.drafterPeerFrames: count and the last one's finishedAt, so a termination seen
+    twice counts once) and subtracted: own = restartCount - peer-frame exits. Approximations: a
+    peer-frame exit followed by another crash before the operator's next look is never seen and
+    counts as an own failure (toward disabling the drafter, the target's safe side); while a
+    peer-frame exit is still the current state (not yet restarted) own is one low for a pass.
+    """
+    frames: dict[str, Obj] = {}
+    own: dict[int, int] = {}
+    for node, pod in sorted(current.items()):
+        c = _container(pod, "drafter", init=True)
+        rec = st["drafterPeerFrames"].get(str(node)) or {"count": 0, "last": ""}
+        if c is None:   # no status reported (yet): keep what was counted
+            if rec["count"]:
+                frames[str(node)] = rec
+            continue
+        restarts = _nonneg_int(c.get("restartCount"))
+        term = _last_termination(c)
+        if term is not None and term.get("exitCode") == EXIT_PEER_FRAME:
+            seen = str(term.get("finishedAt") or f"restart-{restarts}")[:64]
+            if seen != rec["last"]:
+                rec = {"count": rec["count"] + 1, "last": seen}
+                st["drafterPeerFailures"] += 1
+                plan.events.append(Event(
+                    "Warning", "DrafterPeerFrame",
+                    f"{builders.pod_name(job, node)}: a peer's frame ended the drafter (exit {EXIT_PEER_FRAME}); "
+                    f"{st['drafterPeerFailures']} so far, not counted toward drafter.maxFailures"))
+        if rec["count"]:
+            frames[str(node)] = rec
+        own[node] = max(0, restarts - rec["count"])
+    st["drafterPeerFrames"] = frames
+    st["drafterFailures"] = max(st["drafterFailures"], max(own.values(), default=0))
+    return own
+
+
+def _disable_drafter(job: Obj, st: Obj, conds: Conditions, plan: Plan, fault: faults.PodFault, text: str) -> None:
+    """Disable the drafter in place (faults.DISABLE_DRAFTER): the target's pods stay, nothing
+    restarts; `_drafter_plan` then annotates the pods. Idempotent."""
+    if st["drafterDisabled"]:
+        return
+    why = faults.disable_reason(fault, job)
+    cause = (f"the drafter failed {fault.restarts} time(s) on this rank (maxFailures "
+             f"{job['spec']['drafter']['maxFailures']})" if why == "TooManyFailures" else f"failurePolicy: {why}")
+    text = (f"{text}; {cause}: the drafter is disabled in place on every rank, the target keeps running "
+            "(its pods are neither deleted nor restarted)")
+    st["drafterDisabled"] = True
+    st["drafterDisabledGeneration"] = st["restartGeneration"]
+    conds.set("DrafterDegraded", True, why, text)
+    plan.events.append(Event("Warning", "DrafterDegraded", text))
+
+
+def _drafter_plan(st: Obj, conds: Conditions, plan: Plan, current: dict[int, Obj], phase: str) -> None:
+    """How the pods of plan.generation carry a disabled drafter: built without it (any generation
+    but the one it was disabled in; a status of older operators has no generation: every one), or,
+    in the generation it was disabled in place, with it and ANNOTATION_DRAFTER_DISABLED, which the
+    current pods that lack it get now."""
+    if not st["drafterDisabled"]:
+        return
+    plan.drafter_disabled = st["drafterDisabledGeneration"] != plan.generation
+    if plan.drafter_disabled:
+        return
+    plan.drafter_off = str((conds.items.get("DrafterDegraded") or {}).get("reason") or "Disabled")[:128]
+    if phase in TERMINAL:
+        return
+    plan.annotate_pods = [
+        p["metadata"]["name"] for _, p in sorted(current.items())
+        if _container_spec(p, "drafter") and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        and ((p["metadata"].get("annotations") or {}).get(ANNOTATION_DRAFTER_DISABLED) != plan.drafter_off)]
+
+
+def _container_spec(pod: Obj, name: str) -> bool:
+    return any(isinstance(c, dict) and c.get("name") == name for c in (pod.get("spec") or {}).get("initContainers") or [])
 
 
 def _queued_message(job: Obj) -> str:

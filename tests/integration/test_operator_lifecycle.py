@@ -3,6 +3,7 @@ deadline, TTL, garbage collection, idempotency and operator restarts. The test p
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from datetime import datetime, timedelta, timezone
@@ -11,6 +12,14 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
+from spectrain_workloads.contract import (
+    ANNOTATION_DRAFTER_DISABLED,
+    ENV_FLEET_KEY_FILE,
+    ENV_JOB_UID,
+    ENV_POD_IPS,
+    ENV_RESTART_GENERATION,
+    EXIT_PEER_FRAME,
+)
 from tests.integration.operator_harness import ROOT, Env, env_fixture  # noqa: F401  (the env fixture)
 from tests.waiting import wait_for
 
@@ -66,7 +75,8 @@ def test_running_progress_and_drafter_from_annotations(env: Env) -> None:
                   what="progress from the annotation")
     assert st["progress"]["loss"] == 2.5 and st["ready"] == "2/2"
     assert st["drafter"]["state"] == "Active" and st["drafter"]["harvestedSeconds"] == 1.5
-    assert [e["reason"] for e in env.events("r1")].count("Running") == 1
+    # the pass posts its Events after writing the status: wait for them, not just the status
+    wait_for(lambda: [e["reason"] for e in env.events("r1")].count("Running") == 1, 10, what="the Running Event")
 
 
 def test_target_failure_restarts_the_gang_then_fails_after_max_restarts(env: Env) -> None:
@@ -122,6 +132,105 @@ def test_drafter_crash_does_not_touch_the_target(env: Env) -> None:
     wait_for(lambda: env.status("dc").get("drafterFailures") == 1, 10, what="drafter failure counted")
     assert env.status("dc")["phase"] == "Running" and env.status("dc")["restarts"] == 0
     assert [p["metadata"]["uid"] for p in env.pods("dc")] == [p["metadata"]["uid"] for p in pods]
+
+
+def drafter_crash(env: Env, pod: str, restarts: int, code: int = 1) -> None:
+    """The kubelet's view after the drafter sidecar's `restarts`-th crash (exit `code`): restarted,
+    running again, the crash in lastState; the target keeps running."""
+    env.set_pod(pod, "Running", {"running": {"startedAt": "2026-01-01T00:00:00Z"}}, ready=True,
+                drafter={"restartCount": restarts, "lastState": {"terminated": {
+                    "exitCode": code, "reason": "Error", "startedAt": "2026-01-01T00:00:00Z",
+                    "finishedAt": f"2026-01-01T00:{restarts:02d}:00Z"}}})
+
+
+def test_five_drafter_crashes_disable_the_drafter_in_place(env: Env) -> None:
+    env.create(env.manifest("dd"))       # drafter.maxFailures: 3 (the default)
+    pods = env.wait_pods("dd", 2)
+    uids = [p["metadata"]["uid"] for p in pods]
+    env.run_pods("dd", pods)
+    env.wait_phase("dd", "Running")
+    for n in range(1, 6):
+        drafter_crash(env, "dd-0", n)
+        wait_for(lambda n=n: env.status("dd").get("drafterFailures") == n, 10, what=f"drafter failure {n} counted")
+    degraded = wait_for(lambda: (c := env.condition("dd", "DrafterDegraded")) and c["status"] == "True" and c, 10,
+                        what="DrafterDegraded")
+    assert degraded["reason"] == "TooManyFailures" and "disabled in place" in degraded["message"]
+    annotated = wait_for(lambda: (ps := env.pods("dd")) and all(
+        (p["metadata"].get("annotations") or {}).get(ANNOTATION_DRAFTER_DISABLED) == "TooManyFailures"
+        for p in ps) and ps, 10, what="every pod annotated")
+    st = env.status("dd")
+    assert st["drafterDisabled"] is True and st["drafterDisabledGeneration"] == 0
+    assert st["phase"] == "Running" and st["restarts"] == 0 and st["restartGeneration"] == 0
+    assert [p["metadata"]["uid"] for p in annotated] == uids, "the target's pods were replaced"
+    wait_for(lambda: [e["reason"] for e in env.events("dd")].count("DrafterDegraded") == 1, 10,
+             what="one DrafterDegraded Event")   # Events follow the status write of their pass
+    assert "Restarting" not in [e["reason"] for e in env.events("dd")]
+    # the target goes on: its progress still reaches the status
+    for step in (3, 7):
+        env.annotate_pod("dd-0", {"spectrain.io/progress": json.dumps({"step": step, "loss": 1.0})})
+        wait_for(lambda step=step: env.status("dd").get("progress", {}).get("step") == step, 10,
+                 what=f"progress step {step}")
+    st = env.status("dd")
+    assert st["phase"] == "Running" and st["restarts"] == 0
+    assert [p["metadata"]["uid"] for p in env.pods("dd")] == uids
+    # the next restart the job needs anyway (a target failure) builds pods without the drafter
+    env.exit_pod("dd-1", 1)
+    for p in env.wait_pods("dd", 2, generation=1):
+        assert not p["spec"].get("initContainers")
+        assert {"fleet-key", "podinfo"}.isdisjoint(v["name"] for v in p["spec"]["volumes"])
+    assert env.status("dd")["restarts"] == 1
+
+
+def test_peer_frame_crashes_are_counted_apart(env: Env) -> None:
+    env.create(env.manifest("pf", {"drafter": {"maxFailures": 1}}))
+    pods = env.wait_pods("pf", 2)
+    env.run_pods("pf", pods)
+    env.wait_phase("pf", "Running")
+    for n in (1, 2, 3):
+        drafter_crash(env, "pf-1", n, code=EXIT_PEER_FRAME)
+        wait_for(lambda n=n: env.status("pf").get("drafterPeerFailures") == n, 10, what=f"peer frame {n} counted")
+    st = env.status("pf")
+    assert st["drafterFailures"] == 0 and st["drafterDisabled"] is False and st["restarts"] == 0
+    assert env.condition("pf", "DrafterDegraded") is None
+    wait_for(lambda: [e["reason"] for e in env.events("pf")].count("DrafterPeerFrame") == 3, 10,
+             what="three DrafterPeerFrame Events")   # Events follow the status write of their pass
+    drafter_crash(env, "pf-1", 4)        # the drafter's own first failure: past maxFailures 1
+    wait_for(lambda: env.status("pf").get("drafterDisabled") is True, 10, what="drafter disabled")
+    assert env.status("pf")["drafterFailures"] == 1 and env.status("pf")["drafterPeerFailures"] == 3
+
+
+def test_fleet_key_secret_created_once_and_mounted_only_into_the_drafter(env: Env) -> None:
+    env.create(env.manifest("fk", {"runPolicy": {"backoffSeconds": 0}}))
+    pods = env.wait_pods("fk", 2, generation=0)
+    job = env.job("fk")
+    assert job is not None
+    secret = env.core.read_namespaced_secret("fk-fleet-key", env.ns)
+    assert secret.type == "Opaque" and list(secret.data) == ["key"]
+    key = base64.b64decode(secret.data["key"]).decode()
+    assert len(key) == 64 and all(ch in "0123456789abcdef" for ch in key)
+    (owner,) = secret.metadata.owner_references
+    assert owner.uid == job["metadata"]["uid"] and owner.controller is True
+    for p in pods:   # the apiserver accepted every volume, mount and fieldRef (status.podIPs in env)
+        (drafter,) = p["spec"]["initContainers"]
+        (target,) = p["spec"]["containers"]
+        env_of = {e["name"]: e.get("value", e.get("valueFrom")) for e in drafter["env"]}
+        assert env_of[ENV_JOB_UID] == job["metadata"]["uid"] and env_of[ENV_RESTART_GENERATION] == "0"
+        assert env_of[ENV_POD_IPS] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIPs"}}
+        assert {m["name"] for m in drafter["volumeMounts"]} >= {"fleet-key", "podinfo"}
+        assert {"fleet-key", "podinfo"}.isdisjoint(m["name"] for m in target["volumeMounts"])
+        assert ENV_FLEET_KEY_FILE not in {e["name"] for e in target["env"]}
+        vols = {v["name"]: v for v in p["spec"]["volumes"]}
+        assert vols["fleet-key"]["secret"] == {"secretName": "fk-fleet-key", "defaultMode": 0o400}
+        assert "memory" in drafter["resources"]["limits"]
+    # a restart: new pods of generation 1, the same Secret (created once, never rotated)
+    env.run_pods("fk", pods)
+    env.exit_pod("fk-0", 1)
+    for p in env.wait_pods("fk", 2, generation=1):
+        drafter_env = {e["name"]: e.get("value") for e in p["spec"]["initContainers"][0]["env"]}
+        assert drafter_env[ENV_RESTART_GENERATION] == "1"
+    again = env.core.read_namespaced_secret("fk-fleet-key", env.ns)
+    assert again.metadata.uid == secret.metadata.uid and again.data == secret.data
+    assert again.metadata.resource_version == secret.metadata.resource_version
 
 
 def test_suspend_deletes_pods_keeps_the_rest_and_resume_recreates(env: Env) -> None:

@@ -10,6 +10,7 @@ import kubernetes_validate
 import pytest
 
 from spectrain_operator import builders, spec
+from spectrain_workloads import contract
 
 pytestmark = pytest.mark.unit
 
@@ -71,10 +72,10 @@ def test_pod_layout_target_and_native_sidecar_drafter() -> None:
     assert vols["ring"] == {"name": "ring", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}}
     assert vols["run"] == {"name": "run", "emptyDir": {}}
     assert vols["config"]["configMap"]["name"] == "demo-config"
-    for c in (target, drafter):
-        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-        assert mounts == {"config": "/etc/spectrain", "ring": "/var/run/spectrain/ring",
-                          "run": "/var/run/spectrain/run"}
+    shared = {"config": "/etc/spectrain", "ring": "/var/run/spectrain/ring", "run": "/var/run/spectrain/run"}
+    assert {m["name"]: m["mountPath"] for m in target["volumeMounts"]} == shared
+    assert {m["name"]: m["mountPath"] for m in drafter["volumeMounts"]} == {
+        **shared, "podinfo": "/etc/spectrain/podinfo", "fleet-key": "/etc/spectrain/fleet-key"}
     assert p["metadata"]["labels"][builders.LABEL_NODE] == "1"
     assert p["metadata"]["labels"][builders.LABEL_GENERATION] == "0"
 
@@ -229,3 +230,91 @@ def test_target_and_drafter_fall_back_to_their_logs_for_the_termination_message(
         (drafter,) = p["spec"]["initContainers"]
         assert target["terminationMessagePolicy"] == drafter["terminationMessagePolicy"] == "FallbackToLogsOnError"
         assert "terminationMessagePath" not in target  # the kubelet's default, /dev/termination-log
+
+
+# ------------------------------------------------------------------------------ the drafter fleet's contract
+
+
+def test_fleet_key_secret_is_owned_opaque_and_holds_64_hex_chars() -> None:
+    import base64
+
+    j = job()
+    j["metadata"]["uid"] = "u-1"
+    raw = bytes(range(32))
+    secret = builders.fleet_key_secret(j, raw)
+    assert secret["kind"] == "Secret" and secret["type"] == "Opaque"
+    assert secret["metadata"]["name"] == "demo-fleet-key" == builders.fleet_key_name(j)
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert secret["metadata"]["ownerReferences"][0]["controller"] is True
+    text = base64.b64decode(secret["data"]["key"]).decode()
+    assert text == raw.hex() and len(text) == 64 and text == text.lower()
+    with pytest.raises(ValueError, match="32 random bytes"):
+        builders.fleet_key_secret(j, b"short")
+    objs = builders.children(j, fleet_key=raw)
+    assert [o["kind"] for o in objs][-1] == "Secret"
+    assert "Secret" not in [o["kind"] for o in builders.children(j)]          # no key given: none rendered
+    j["spec"]["drafter"]["enabled"] = False
+    assert "Secret" not in [o["kind"] for o in builders.children(j, fleet_key=raw)]  # no drafter: no key
+
+
+def test_only_the_drafter_gets_the_key_identity_and_control_file() -> None:
+    j = job()
+    j["metadata"]["uid"] = "u-1"
+    p, _ = builders.pod(j, 1, generation=3)
+    (target,) = p["spec"]["containers"]
+    (drafter,) = p["spec"]["initContainers"]
+    vols = {v["name"]: v for v in p["spec"]["volumes"]}
+    assert vols["fleet-key"] == {"name": "fleet-key", "secret": {"secretName": "demo-fleet-key", "defaultMode": 0o400}}
+    assert vols["podinfo"] == {"name": "podinfo", "downwardAPI": {"items": [
+        {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}}]}}
+    mounts = {m["name"]: m for m in drafter["volumeMounts"]}
+    assert mounts["fleet-key"] == {"name": "fleet-key", "mountPath": "/etc/spectrain/fleet-key", "readOnly": True}
+    assert mounts["podinfo"] == {"name": "podinfo", "mountPath": "/etc/spectrain/podinfo", "readOnly": True}
+    env = env_of(drafter)
+    assert env[contract.ENV_FLEET_KEY_FILE] == "/etc/spectrain/fleet-key/key"
+    assert env[contract.ENV_JOB_UID] == "u-1" and env[contract.ENV_RESTART_GENERATION] == "3"
+    assert env[contract.ENV_POD_IPS] == {"fieldRef": {"fieldPath": "status.podIPs"}}
+    assert env[contract.ENV_DRAFTER_CONTROL] == "/etc/spectrain/podinfo/annotations"
+    # the target: none of it
+    assert {"fleet-key", "podinfo"}.isdisjoint(m["name"] for m in target["volumeMounts"])
+    assert not {contract.ENV_FLEET_KEY_FILE, contract.ENV_JOB_UID, contract.ENV_POD_IPS,
+                contract.ENV_DRAFTER_CONTROL, contract.ENV_RESTART_GENERATION} & set(env_of(target))
+    # no drafter: no key volume at all
+    off, _ = builders.pod(j, 1, drafter_disabled=True)
+    assert {"fleet-key", "podinfo"}.isdisjoint(v["name"] for v in off["spec"]["volumes"])
+
+
+def test_drafter_disabled_in_place_keeps_the_sidecar_and_annotates_the_pod() -> None:
+    p, _ = builders.pod(job(), 0, drafter_off="TooManyFailures")
+    assert [c["name"] for c in p["spec"]["initContainers"]] == ["drafter"]
+    assert p["metadata"]["annotations"] == {contract.ANNOTATION_DRAFTER_DISABLED: "TooManyFailures"}
+    assert "annotations" not in builders.pod(job(), 0)[0]["metadata"]
+    # the next generation after a disable: no sidecar, nothing to annotate
+    gone, _ = builders.pod(job(), 0, drafter_disabled=True, drafter_off="TooManyFailures")
+    assert "initContainers" not in gone["spec"] and "annotations" not in gone["metadata"]
+
+
+@pytest.mark.parametrize("resources,memory", [
+    ({}, builders.DRAFTER_MEMORY_LIMIT),
+    ({"limits": {"cpu": "2"}}, builders.DRAFTER_MEMORY_LIMIT),
+    ({"limits": {"memory": "2Gi"}}, "2Gi"),                      # a user value wins
+    ({"requests": {"memory": "4Gi"}}, builders.DRAFTER_MEMORY_LIMIT),
+    ({"requests": {"memory": "16Gi"}}, "16Gi"),                  # never below the request
+])
+def test_drafter_memory_limit_defaults(resources: dict[str, Any], memory: str) -> None:
+    j = job()
+    j["spec"]["drafter"]["resources"] = resources
+    p, _ = builders.pod(j, 0)
+    drafter = p["spec"]["initContainers"][0]
+    assert drafter["resources"]["limits"]["memory"] == memory
+    assert "memory" not in (p["spec"]["containers"][0]["resources"].get("limits") or {})
+    assert j["spec"]["drafter"]["resources"] == resources      # the job is not mutated
+
+
+def test_no_default_drafter_memory_limit_in_single_container_mode() -> None:
+    # the drafter runs inside the target's container there: no container of its own to cap
+    j = job()
+    j["spec"]["gpuSharing"] = {"mode": "SingleContainer", "gpusPerNode": int(j["spec"]["target"]["procsPerNode"])}
+    j["spec"]["target"]["resources"] = {"limits": {"memory": "16Gi"}}
+    p, _ = builders.pod(j, 0)
+    assert p["spec"]["containers"][0]["resources"]["limits"]["memory"] == "16Gi"

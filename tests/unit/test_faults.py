@@ -197,21 +197,43 @@ def test_unknown_exit_ignores_rules() -> None:
     assert action_for(PodFault("target", faults.EXIT_UNKNOWN, "PodFailed", ""), j) == "RestartJob"
 
 
-def test_drafter_faults_without_rules_ignore_then_drop_the_drafter() -> None:
+def test_drafter_faults_without_rules_ignore_then_disable_the_drafter_in_place() -> None:
     j = job(max_failures=3)
     assert action_for(PodFault("drafter", 1, "DrafterFailed", "", restarts=2), j) == "Ignore"
-    assert action_for(PodFault("drafter", 1, "DrafterFailed", "", restarts=3), j) == "RestartWithoutDrafter"
+    assert action_for(PodFault("drafter", 1, "DrafterFailed", "", restarts=3), j) == faults.DISABLE_DRAFTER
+    assert faults.disable_reason(PodFault("drafter", 1, "DrafterFailed", "", restarts=3), j) == "TooManyFailures"
+    assert faults.DISABLE_DRAFTER not in faults.ACTIONS, "a default only: rules cannot name it"
 
 
-@pytest.mark.parametrize(("rule_action", "expected"), [
-    ("FailJob", "RestartWithoutDrafter"),
-    ("RestartJob", "RestartJobIgnoreMax"),
-    ("RestartJobIgnoreMax", "RestartJobIgnoreMax"),
-    ("RestartWithoutDrafter", "RestartWithoutDrafter"),
+# (rules, exit code, own failures, maxFailures) -> action: a drafter fault restarts the target only
+# where a rule asks for a restart, and never spends the target's restart budget.
+@pytest.mark.parametrize(("rules", "code", "restarts", "max_failures", "expected"), [
+    ([], 1, 0, 3, "Ignore"),
+    ([], 1, 2, 3, "Ignore"),
+    ([], 1, 3, 3, "DisableDrafter"),
+    ([], 137, 9, 3, "DisableDrafter"),                     # OOM-killed alike
+    ([], 2, 5, 3, "DisableDrafter"),                       # a drafter's configuration error alike
+    ([], 1, 0, 0, "DisableDrafter"),                       # maxFailures 0: the first crash
+    ([], 87, 50, 3, "Ignore"),                             # EXIT_PEER_FRAME: never the drafter's own
+    ([rule("FailJob", "drafter", [87])], 87, 50, 3, "Ignore"),   # ... whatever the rules say
+    ([rule("FailJob", "drafter", [1])], 1, 0, 3, "DisableDrafter"),
+    ([rule("RestartWithoutDrafter", "drafter", [1])], 1, 0, 3, "DisableDrafter"),
+    ([rule("RestartJob", "drafter", [1])], 1, 0, 3, "RestartJobIgnoreMax"),
+    ([rule("RestartJobIgnoreMax", "drafter", [1])], 1, 0, 3, "RestartJobIgnoreMax"),
+    ([rule("FailJob", "drafter", [1])], 3, 3, 3, "DisableDrafter"),   # no rule matches: maxFailures
+    ([rule("FailJob", "target", [1])], 1, 0, 3, "Ignore"),            # a target rule does not match
 ])
-def test_drafter_rules_never_fail_the_job(rule_action: str, expected: str) -> None:
+def test_drafter_fault_actions(rules: list[dict], code: int, restarts: int, max_failures: int,
+                               expected: str) -> None:
+    j = job(rules, max_failures=max_failures)
+    assert action_for(PodFault("drafter", code, "DrafterFailed", "", restarts=restarts), j) == expected
+
+
+@pytest.mark.parametrize(("rule_action", "reason"), [("FailJob", "FailJob"),
+                                                     ("RestartWithoutDrafter", "RestartWithoutDrafter")])
+def test_disable_reason_names_the_rule(rule_action: str, reason: str) -> None:
     j = job([rule(rule_action, "drafter", [1])])
-    assert action_for(PodFault("drafter", 1, "DrafterFailed", ""), j) == expected
+    assert faults.disable_reason(PodFault("drafter", 1, "DrafterFailed", ""), j) == reason
 
 
 def test_mps_loss_caused_by_drafter_follows_a_drafter_rule() -> None:
@@ -273,8 +295,8 @@ def test_a_user_rule_matching_exit_2_wins(rules: list[dict], expected: str) -> N
 
 
 def test_drafter_config_error_never_fails_the_job() -> None:
-    # Today's drafter semantics, exit 2 included: Ignore (the kubelet restarts the sidecar) until
-    # maxFailures, then the job restarts without its drafter; a drafter rule is made drafter-safe.
+    # The drafter semantics, exit 2 included: Ignore (the kubelet restarts the sidecar) until
+    # maxFailures, then the drafter is disabled in place; a drafter rule never fails the job.
     d = status("drafter", state={"waiting": {"reason": "CrashLoopBackOff"}},
                last={"terminated": term(2, T1, message="configuration error: SPECTRAIN_DRAFTER_SETTINGS is not JSON")},
                restarts=1)
@@ -283,8 +305,8 @@ def test_drafter_config_error_never_fails_the_job() -> None:
     assert "SPECTRAIN_DRAFTER_SETTINGS" in f.message
     assert action_for(f, job(max_failures=3)) == "Ignore"
     assert action_for(PodFault("drafter", 2, "DrafterFailed", "", restarts=3), job(max_failures=3)) \
-        == "RestartWithoutDrafter"
-    assert action_for(f, job([rule("FailJob", "drafter", [2])])) == "RestartWithoutDrafter"
+        == "DisableDrafter"
+    assert action_for(f, job([rule("FailJob", "drafter", [2])])) == "DisableDrafter"
 
 
 def test_single_container_verdict_carries_the_targets_config_error() -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from spectrain_operator import builders, spec
 from spectrain_operator import status as st
+from spectrain_workloads.contract import ANNOTATION_DRAFTER_DISABLED
 
 pytestmark = pytest.mark.unit
 
@@ -242,16 +243,113 @@ def test_drafter_crash_never_fails_or_restarts_the_job() -> None:
     assert plan.status["drafterFailures"] == 1 and plan.status["drafterDisabled"] is False
 
 
-def test_drafter_past_max_failures_is_disabled_and_degraded() -> None:
+def crashed(restarts: int, code: int = 1, at: str = "2026-01-01T11:59:00Z") -> dict[str, Any]:
+    return {"restartCount": restarts, "state": {"running": {}},
+            "lastState": {"terminated": {"exitCode": code, "reason": "Error", "finishedAt": at}}}
+
+
+def test_drafter_past_max_failures_is_disabled_in_place() -> None:
     j = job(created_status(restarts=0), drafter={"maxFailures": 1})
-    pods = running(j, drafter={"restartCount": 2, "state": {"running": {}},
-                               "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}}})
+    pods = running(j, drafter=crashed(2))
     plan = st.decide(j, pods, NOW)
-    assert plan.status["drafterDisabled"] is True
-    assert cond(plan, "DrafterDegraded")["status"] == "True"
+    assert plan.status["drafterDisabled"] is True and plan.status["drafterDisabledGeneration"] == 0
+    degraded = cond(plan, "DrafterDegraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "TooManyFailures"
+    assert "disabled in place" in degraded["message"] and "maxFailures 1" in degraded["message"]
     assert plan.status["drafter"]["state"] == "Degraded"
-    assert plan.status["restartsTowardsMax"] == 0  # never spends the target's restart budget
-    assert plan.status["phase"] in ("Running", "Restarting")
+    # the target is untouched: nothing deleted, no restart, still Running
+    assert plan.status["phase"] == "Running" and plan.delete_pods == [] and plan.create_nodes == []
+    assert plan.status["restarts"] == 0 and plan.status["restartsTowardsMax"] == 0
+    assert plan.status["restartGeneration"] == 0
+    # every current pod gets the annotation; pods of this generation built later carry it at creation
+    assert plan.annotate_pods == ["j-0", "j-1"] and plan.drafter_off == "TooManyFailures"
+    assert plan.drafter_disabled is False, "the current generation keeps its sidecars (idle)"
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", "DrafterDegraded")]
+    # idempotent: the next pass over annotated pods changes nothing and posts nothing
+    j["status"] = plan.status
+    for p in pods:
+        p["metadata"]["annotations"] = {ANNOTATION_DRAFTER_DISABLED: "TooManyFailures"}
+    again = st.decide(j, pods, NOW + timedelta(seconds=5))
+    assert again.annotate_pods == [] and again.events == [] and again.delete_pods == []
+    assert again.status["phase"] == "Running" and again.status["restarts"] == 0
+    # a pod that lost it (or was never told) is annotated again
+    del pods[1]["metadata"]["annotations"]
+    assert st.decide(j, pods, NOW + timedelta(seconds=10)).annotate_pods == ["j-1"]
+
+
+@pytest.mark.parametrize("rule_action,restarted", [
+    ("FailJob", False), ("RestartWithoutDrafter", False), ("RestartJob", True), ("RestartJobIgnoreMax", True)])
+def test_drafter_rules_disable_in_place_or_restart_without_spending_the_budget(rule_action: str,
+                                                                              restarted: bool) -> None:
+    rules = [{"action": rule_action, "onExitCodes": {"container": "drafter", "operator": "In", "values": [1]}}]
+    j = job(created_status(), runPolicy={"failurePolicy": {"rules": rules}})
+    plan = st.decide(j, running(j, drafter=crashed(1)), NOW)
+    assert plan.status["restartsTowardsMax"] == 0
+    if restarted:   # a rule asking for a restart keeps its meaning (not counted against maxRestarts)
+        assert plan.status["phase"] == "Restarting" and plan.status["restarts"] == 1
+        assert plan.status["drafterDisabled"] is False
+    else:
+        assert plan.status["phase"] == "Running" and plan.status["restarts"] == 0 and plan.delete_pods == []
+        assert plan.status["drafterDisabled"] is True and plan.drafter_off == rule_action
+        assert cond(plan, "DrafterDegraded")["reason"] == rule_action
+
+
+def test_after_an_in_place_disable_the_next_restart_builds_pods_without_the_drafter() -> None:
+    degraded = [{"type": "DrafterDegraded", "status": "True", "reason": "TooManyFailures", "message": "x",
+                 "lastTransitionTime": st.fmt_time(NOW)}]
+    j = job(created_status(drafterDisabled=True, drafterDisabledGeneration=0, conditions=degraded))
+    pods = running(j)
+    pods[0]["status"]["containerStatuses"][0].update(exited(1))
+    plan = st.decide(j, pods, NOW)
+    assert plan.status["phase"] == "Restarting" and plan.generation == 1
+    assert plan.drafter_disabled is True and plan.drafter_off == "" and plan.annotate_pods == []
+    # pods of the disabled generation created later (say their predecessors were still terminating)
+    j = job(created_status(drafterDisabled=True, drafterDisabledGeneration=2, restartGeneration=2,
+                           podsCreated=False, conditions=degraded))
+    plan = st.decide(j, [], NOW)
+    assert plan.create_nodes == [0, 1] and plan.drafter_disabled is False and plan.drafter_off == "TooManyFailures"
+    # a status of an older operator (no generation): the drafter is off in every generation
+    j = job(created_status(drafterDisabled=True, podsCreated=False))
+    plan = st.decide(j, [], NOW)
+    assert plan.drafter_disabled is True and plan.drafter_off == ""
+
+
+def test_peer_frame_exits_are_counted_apart_from_the_drafters_own_failures() -> None:
+    j = job(created_status(), drafter={"maxFailures": 2})
+    seen = []
+
+    def step(restarts: int, code: int, at: str) -> st.Plan:
+        pods = running(j)
+        pods[0]["status"]["initContainerStatuses"] = [{"name": "drafter", **crashed(restarts, code, at)}]
+        plan = st.decide(j, pods, NOW)
+        j["status"] = plan.status
+        seen.append([e.reason for e in plan.events if e.reason.startswith("Drafter")])
+        return plan
+
+    plan = step(1, 87, "2026-01-01T11:00:00Z")
+    assert plan.status["drafterPeerFailures"] == 1 and plan.status["drafterFailures"] == 0
+    plan = step(1, 87, "2026-01-01T11:00:00Z")          # the same exit seen again: counted once
+    assert plan.status["drafterPeerFailures"] == 1
+    for n in (2, 3, 4):                                  # more peer frames: past maxFailures in restarts...
+        plan = step(n, 87, f"2026-01-01T11:0{n}:00Z")
+    assert plan.status["drafterPeerFailures"] == 4 and plan.status["drafterFailures"] == 0
+    assert plan.status["drafterDisabled"] is False and plan.status["phase"] == "Running"   # ...never disabled
+    assert plan.status["drafterPeerFrames"] == {"0": {"count": 4, "last": "2026-01-01T11:04:00Z"}}
+    plan = step(5, 1, "2026-01-01T11:10:00Z")            # own failures: 5 restarts - 4 peer frames
+    assert plan.status["drafterFailures"] == 1 and plan.status["drafterDisabled"] is False
+    plan = step(6, 1, "2026-01-01T11:11:00Z")
+    assert plan.status["drafterFailures"] == 2 and plan.status["drafterDisabled"] is True
+    assert plan.status["drafterPeerFailures"] == 4 and plan.status["restarts"] == 0
+    assert seen[:2] == [["DrafterPeerFrame"], []] and seen[-1] == ["DrafterDegraded"]
+
+
+def test_forged_drafter_bookkeeping_is_ignored() -> None:
+    j = job(created_status(drafterDisabledGeneration="x", drafterPeerFailures=-3,
+                           drafterPeerFrames={"0": {"count": "9", "last": 1}, "7": {"count": 1, "last": ""},
+                                              "1": {"count": 2, "last": "t"}, "a": 5}))
+    plan = st.decide(j, running(j), NOW)
+    assert "drafterDisabledGeneration" not in plan.status and plan.status["drafterPeerFailures"] == 0
+    assert plan.status["drafterPeerFrames"] == {"1": {"count": 2, "last": "t"}}   # only the well-formed rank
 
 
 def test_pod_deleted_by_someone_else_is_a_restart_not_counted_against_max() -> None:

@@ -73,8 +73,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: ["spectrainjobs/status"]
   verbs: ["patch"]
 # Pods: one per node. Listed by the job's label each pass, watched for kubelet updates, created
-# and deleted (restart, suspend, failure). `patch` is never used by the operator itself, but the
-# per-job Role below grants it to the job's pods, and RBAC lets a subject grant only what it holds.
+# and deleted (restart, suspend, failure). `patch`: the operator annotates a job's pods when it
+# disables their drafter in place (spectrain.io/drafter-disabled) or hands a Kueue pod group's quota
+# back, and the per-job Role below grants it to the job's pods (RBAC lets a subject grant only
+# what it holds).
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["create", "list", "watch", "delete", "patch"]
@@ -82,6 +84,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 # collector deletes them through their ownerReferences, so no get/patch/delete is needed.
 - apiGroups: [""]
   resources: ["configmaps", "services", "serviceaccounts"]
+  verbs: ["create"]
+# The per-job fleet key (Secret <job>-fleet-key, owned by the job, mounted only into the drafter
+# containers): created once, create-or-get (409 AlreadyExists is success), so it is never read
+# back, updated or rotated; the garbage collector deletes it with the job. No get/list/watch: the
+# operator cannot read any Secret.
+- apiGroups: [""]
+  resources: ["secrets"]
   verbs: ["create"]
 # The per-job status path: a Role allowing `patch` on the job's own pods and its RoleBinding.
 - apiGroups: ["rbac.authorization.k8s.io"]
