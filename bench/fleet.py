@@ -21,6 +21,12 @@ alpha_t1_single           teacher-forced; drafter/verify.py): at 120 steps the d
                           for any trained drafter) and only this one tells the variants apart
 target_slowdown_ratio     median target step time, combined / off (drafters and exchange on vs off)
 exchange_mb_per_s         bytes the drafters sent to each other / run wall time, combined runs
+hmac_overhead_ratio       drafter throughput (samples trained from samples that came through the
+                          exchange, per CPU-second of the drafter's process) with the channel's MACs
+                          off / on: a last stage (a process) streams debug-target samples at the
+                          default 64 MB/s cap to a first stage that trains the debug Eagle drafter on
+                          what it takes; MACs on and off interleaved (drafter.auth; "off" exists for
+                          this only). hmac_overhead_ratio_wall: the same per second of wall time
 
 On 2 shared CPU cores the 4 target ranks and 4 drafters compete for the same cores, so the
 slowdown here is CPU contention, not what a GPU job sees (docs/benchmarks.md).
@@ -31,6 +37,8 @@ Run: python -m bench.fleet [--quick]   (make bench-fleet [QUICK=1])
 from __future__ import annotations
 
 import json
+import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -121,9 +129,94 @@ def acceptance(data: Path, target: Any = None) -> tuple[float, float]:
     return float(measure(drafter, samples, None, k=4).acceptance_length), sampled_acceptance_rate(drafter, samples)
 
 
+def _sender(ports: list[int], key: bytes, mac: bool, stop: Any) -> None:
+    """The last stage's side, a process of its own: debug-target samples as fast as the cap lets them go."""
+    from spectrain_workloads.contract import model_config
+    from spectrain_workloads.drafter.fleet import Fleet, FleetConfig
+
+    torch.set_num_threads(1)
+    cfg = model_config("debug", {"n_layers": N_LAYERS}, vocab_size=264)
+    fleet = Fleet(FleetConfig(rank=1, world=2, pipeline=2, coordinator=1, addresses=[("127.0.0.1", p) for p in ports],
+                              key=key, job_uid="bench", mac=mac))
+    tokens, hidden = torch.randint(0, cfg.vocab_size, (SEQ,)), torch.randn(SEQ, cfg.dim)
+    while not stop.is_set():
+        fleet.share(tokens, hidden, step=0)
+        stop.wait(SEQ * (cfg.dim * 4 + 8) / 64e6)      # one sample's share of the default cap
+    fleet.close()
+
+
+def _throughput(mac: bool, seconds: float) -> tuple[float, float]:
+    """(samples per second, per CPU-second of this process) the debug Eagle drafter (one CPU
+    thread, as the sidecar's default) trains on from what a last stage sends it at the cap; the
+    first batch (lazy initialisation) is not timed. Per CPU-second: the drafter's own cost (its
+    training, reading and checking frames, their MACs), which other load on a shared machine
+    does not change."""
+    import multiprocessing as mp
+
+    from spectrain_workloads.contract import model_config
+    from spectrain_workloads.drafter.checks import TargetSpec
+    from spectrain_workloads.drafter.fleet import Fleet, FleetConfig
+    from spectrain_workloads.drafter.models import EagleDrafter, eagle_loss
+
+    torch.set_num_threads(1)
+    cfg = model_config("debug", {"n_layers": N_LAYERS}, vocab_size=264)
+    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    ports = [int(s.getsockname()[1]) for s in socks]
+    for s in socks:
+        s.close()
+    key = os.urandom(32)
+    fleet = Fleet(FleetConfig(rank=0, world=2, pipeline=2, coordinator=1, addresses=[("127.0.0.1", p) for p in ports],
+                              key=key, job_uid="bench", mac=mac))
+    torch.manual_seed(0)
+    drafter = EagleDrafter(cfg)
+    fleet.expect(dict(drafter.named_parameters()), TargetSpec(cfg.vocab_size, cfg.dim, cfg.max_seq_len))
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-3)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    sender = ctx.Process(target=_sender, args=(ports, key, mac, stop), daemon=True)
+    sender.start()
+    trained, t0, c0 = 0, None, 0.0
+    try:
+        while t0 is None or time.monotonic() - t0 < seconds:
+            got = fleet.take_samples(8)
+            if not got:
+                time.sleep(0.001)            # nothing arrived yet: a bench loop, not the worker
+                continue
+            loss, _ = eagle_loss(drafter, torch.stack([t for t, _, _, _ in got]),
+                                 torch.stack([h for _, h, _, _ in got]).float(), hidden_weight=1.0,
+                                 ce_weight=0.1, stats=False)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if t0 is None:
+                t0, c0 = time.monotonic(), time.process_time()
+            else:
+                trained += len(got)
+        return trained / (time.monotonic() - t0), trained / (time.process_time() - c0)
+    finally:
+        stop.set()
+        sender.join(timeout=30)
+        fleet.close()
+
+
+def hmac_overhead(rounds: int, seconds: float) -> dict[str, Any]:
+    """Throughput with MACs off / with them on (medians of interleaved runs: on, off, off, on, ...),
+    per CPU-second of the drafter (the key) and per second of wall time (noisy on a shared machine)."""
+    got: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+    for i in range(rounds):
+        for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            got[mode].append(_throughput(mode == "on", seconds))
+            print(f"  hmac {mode}: {got[mode][-1][0]:.0f} samples/s, {got[mode][-1][1]:.0f} per CPU-second", flush=True)
+    on_wall, on_cpu = (median([r[i] for r in got["on"]]) for i in (0, 1))
+    off_wall, off_cpu = (median([r[i] for r in got["off"]]) for i in (0, 1))
+    return {"hmac_overhead_ratio": off_cpu / on_cpu, "hmac_overhead_ratio_wall": off_wall / on_wall,
+            "hmac_samples_per_cpu_s_on": on_cpu, "hmac_samples_per_cpu_s_off": off_cpu}
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     steps, rounds = (40, 1) if args.quick else (120, 3)
+    hmac = hmac_overhead(2 if args.quick else 6, 5.0 if args.quick else 10.0)
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="spectrain-bench-fleet-") as tmp:
         for i in range(rounds):
@@ -152,6 +245,7 @@ def main() -> None:
         "samples_reached_combined": median(reached_comb),
         "samples_reached_single": median(reached_single),
         "step_ms_off": median([r["step_s"] for r in results["off"]]) * 1e3,
+        **hmac,
         "rounds": rounds,
         "steps": steps,
         "step_ms_spread_off": statistics.pstdev([r["step_s"] for r in results["off"]]) * 1e3 if rounds > 1 else 0.0,
@@ -160,7 +254,8 @@ def main() -> None:
              "samples_combined_ratio": keys["samples_combined_ratio"] >= 3.0,
              "acceptance_combined_ge_single": keys["acceptance_combined"] >= keys["acceptance_single"],
              "alpha_t1_combined_ge_single": keys["alpha_t1_combined"] >= keys["alpha_t1_single"],
-             "target_slowdown_ratio": keys["target_slowdown_ratio"] <= 1.03}
+             "target_slowdown_ratio": keys["target_slowdown_ratio"] <= 1.03,
+             "hmac_overhead_ratio": keys["hmac_overhead_ratio"] <= 1.02}
     print_table("bench-fleet (pipeline 2 x data 2, debug)", keys)
     print_table("goals met", goals)
     write_results("fleet", {**keys, "goals_met": goals}, args.quick)

@@ -10,12 +10,14 @@ without it) and, restarted, rejoins from the newest combined version.
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from spectrain_workloads.contract import ENV_FLEET_KEY_FILE, ENV_JOB_UID, ENV_RESTART_GENERATION
 from spectrain_workloads.drafter.export import load_drafter
 from spectrain_workloads.drafter.synthetic import SyntheticSpec, SyntheticTarget, WindowSpec
 from tests.integration.drafter_procs import Pod, synthetic_target
@@ -30,12 +32,15 @@ TIMEOUT = 240
 
 def _pods(root: Path) -> list[Pod]:
     peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(WORLD))
+    key = root / "fleet.key"                 # the job's key, as the operator's Secret mounts it
+    key.write_text(os.urandom(32).hex() + "\n")
     target = {"nodes": WORLD, "parallelism": {"data": 2, "pipeline": PIPELINE, "microbatches": 2}}
     drafter = {"activation": {"safetyMarginMs": 1}, "exchange": {"combineEverySeconds": 1}}
     return [Pod(root / f"pod-{r}", drafter=drafter, target=target,
                 settings={"checkpoint_every_s": 1.0, "verify_every_s": 1.0, "samples_per_step": 4},
                 env={"RANK": str(r), "WORLD_SIZE": str(WORLD), "SPECTRAIN_DRAFTER_PEERS": peers,
-                     "SPECTRAIN_DRAFTER_BIND": "127.0.0.1"})
+                     "SPECTRAIN_DRAFTER_BIND": "127.0.0.1", ENV_FLEET_KEY_FILE: str(key),
+                     ENV_JOB_UID: "fleet-test-uid", ENV_RESTART_GENERATION: "0"})
             for r in range(WORLD)]
 
 

@@ -1,13 +1,16 @@
 """The drafter next to the real target (2 pipeline ranks, gloo on CPU): learning in harvested
 windows, isolation and crash recovery.
 
-Two runs of the same job: `off` (SPECTRAIN_DRAFTER_ENABLED=0, no drafter, nothing published)
-and `on` (a drafter sidecar per pod, policy IdleOnly, exchanging samples and combining their
-replicas over loopback (drafter.fleet); the last stage's is SIGKILLed mid-run and restarted). The target is sized like examples/demo.yaml so that its pipeline bubbles (one
+Runs of the same job: `off` (SPECTRAIN_DRAFTER_ENABLED=0, no drafter, nothing published),
+`on` (a drafter sidecar per pod, policy IdleOnly, exchanging samples and combining their
+replicas over loopback (drafter.fleet); the last stage's is SIGKILLed mid-run and restarted) and
+`disabled` (drafters disabled in place mid-run through their control files, as the operator does
+past drafter.maxFailures). The target is sized like examples/demo.yaml so that its pipeline bubbles (one
 microbatch's forward + backward of the other stage) are many drafter units long. Checked: the
 target's losses and final weights are bitwise identical; the drafter worked only inside the
 target's windows; the restarted drafter resumed from its last complete checkpoint; and its export
-predicts the final target on held-out text clearly better than an untrained drafter.
+predicts the final target on held-out text clearly better than an untrained drafter; a disabled
+drafter stops, lets go of the ring, says so and stays up until SIGTERM.
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ import pytest
 import torch
 
 from spectrain_operator.local import free_port
+from spectrain_workloads.contract import (
+    ANNOTATION_DRAFTER_DISABLED,
+    ENV_DRAFTER_CONTROL,
+    ENV_FLEET_KEY_FILE,
+    ENV_JOB_UID,
+)
 from tests.integration.drafter_procs import REPO, read_jsonl
 from tests.launch import launch_local, node_ring_dir, stop, wait_all
 from tests.waiting import wait_for
@@ -50,8 +59,12 @@ def _config(path: Path) -> Path:
     return path
 
 
-def _drafter(root: Path, cfg: Path, node: int, peers: str) -> subprocess.Popen[bytes]:
-    env = {"SPECTRAIN_DRAFTER_PEERS": peers, "SPECTRAIN_DRAFTER_BIND": "127.0.0.1", **os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")]),
+def _drafter(root: Path, cfg: Path, node: int, peers: str, control: Path | None = None) -> subprocess.Popen[bytes]:
+    key = root / "fleet.key"                 # the job's key, as the operator's Secret mounts it
+    if not key.exists():
+        key.write_text(os.urandom(32).hex() + "\n")
+    env = {**({ENV_DRAFTER_CONTROL: str(control)} if control else {}), ENV_FLEET_KEY_FILE: str(key),
+           ENV_JOB_UID: "drafter-target-test", "SPECTRAIN_DRAFTER_PEERS": peers, "SPECTRAIN_DRAFTER_BIND": "127.0.0.1", **os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")]),
            "SPECTRAIN_CONFIG": str(cfg), "SPECTRAIN_RING_DIR": str(node_ring_dir(root / "ring", node, 2)),
            "SPECTRAIN_RUN_DIR": str(root), "SPECTRAIN_DEVICE": "cpu", "RANK": str(node), "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": "1",
@@ -73,12 +86,30 @@ def _losses(root: Path, rank: int) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def off(tmp_path_factory: pytest.TempPathFactory) -> Path:
     off = tmp_path_factory.mktemp("off")
     procs = launch_local(_config(off / "cfg.json"), 2, off, off / "ring",
                          env={**BASE_ENV, "SPECTRAIN_DRAFTER_ENABLED": "0"})
     assert wait_all(procs, 240) == [0, 0]
+    return off
 
+
+def _peers() -> str:
+    used: set[int] = set()
+    for _ in range(2):
+        used.add(free_port(exclude=used))
+    return ",".join(f"127.0.0.1:{p}" for p in sorted(used))
+
+
+def _assert_target_unchanged(on: Path, off: Path) -> None:
+    for rank in (0, 1):
+        assert _losses(on, rank) == _losses(off, rank) and len(_losses(on, rank)) == STEPS
+        a, b = _final_weights(on, rank), _final_weights(off, rank)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, off: Path) -> dict[str, Any]:
     on = tmp_path_factory.mktemp("on")
     cfg = _config(on / "cfg.json")
     events = on / "metrics" / "drafter-rank-1.jsonl"
@@ -86,10 +117,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     procs: list[subprocess.Popen[bytes]] = []
     # The drafters first: once they wait for the ring (torch imported), the target starts; it
     # writes its embedding / LM head before step 0, so the drafters can train from the first step.
-    used: set[int] = set()
-    for _ in range(2):
-        used.add(free_port(exclude=used))
-    peers = ",".join(f"127.0.0.1:{p}" for p in sorted(used))
+    peers = _peers()
     drafters = [_drafter(on, cfg, n, peers) for n in range(2)]
     try:
         wait_for(lambda: all((on / f"drafter-summary-rank-{n}.json").exists() for n in range(2)), 120,
@@ -121,10 +149,7 @@ def test_target_is_bitwise_identical_with_the_drafter_on_and_off(runs: dict[str,
     off, on = runs["off"], runs["on"]
     assert runs["codes"] == [0, 0] and runs["drafter_codes"] == [0, 0]
     assert runs["killed_at_step"] < STEPS, "the drafter was killed mid-run"
-    for rank in (0, 1):
-        assert _losses(on, rank) == _losses(off, rank) and len(_losses(on, rank)) == STEPS
-        a, b = _final_weights(on, rank), _final_weights(off, rank)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _assert_target_unchanged(on, off)
     # the drafter did train next to it, on the target's published data
     s = json.loads((on / "drafter-summary-rank-1.json").read_text())
     assert s["samplesTrained"] > 0 and s["dataReceived"] > 0 and s["policy"] == "IdleOnly"
@@ -189,3 +214,63 @@ def test_drafter_learns_from_the_real_target_only_in_its_windows(runs: dict[str,
     trained, untrained = measure(drafter, data, None, k=4), measure(fresh, data, None, k=4)
     assert trained.top1 > untrained.top1 + 0.1, (trained.to_dict(), untrained.to_dict())
     assert trained.acceptance_length > untrained.acceptance_length, (trained.to_dict(), untrained.to_dict())
+
+
+def _summary(root: Path, rank: int) -> dict[str, Any]:
+    try:
+        return json.loads((root / f"drafter-summary-rank-{rank}.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def test_drafters_disabled_in_place_idle_and_the_target_is_unchanged(off: Path, tmp_path: Path) -> None:
+    """The operator's annotation reaches the sidecars mid-run (their downward-API files, replaced
+    atomically like the kubelet does): they stop, leave the ring and the fleet, report
+    Disabled/DisabledByOperator and stay up; the target's steps go on, bitwise as without a drafter."""
+    root = tmp_path
+    cfg = _config(root / "cfg.json")
+    controls = [root / f"podinfo-{n}" / "annotations" for n in range(2)]
+    for c in controls:
+        c.parent.mkdir()
+        c.write_text('kubectl.kubernetes.io/default-container="target"\n')
+    peers = _peers()
+    drafters = [_drafter(root, cfg, n, peers, controls[n]) for n in range(2)]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        wait_for(lambda: all(_summary(root, n) for n in range(2)), 120, what="both drafters up")
+        procs = launch_local(cfg, 2, root, root / "ring", env=BASE_ENV)
+        events = root / "metrics" / "drafter-rank-1.jsonl"
+        wait_for(lambda: [e for e in read_jsonl(events) if e["event"] == "checkpoint"], 120, interval=0.05,
+                 what="the last stage's drafter trained")
+        for c in controls:
+            tmp = c.with_name(".annotations.tmp")
+            tmp.write_text(c.read_text() + f'{ANNOTATION_DRAFTER_DISABLED}="DrafterCrashLoop"\n')
+            os.replace(tmp, c)
+        at_step = len(_losses(root, 1))
+        disabled = wait_for(lambda: all(_summary(root, n).get("reason") == "DisabledByOperator" for n in range(2))
+                            and [_summary(root, n) for n in range(2)], 30, what="both drafters disabled")
+        assert at_step < STEPS, "the drafters were disabled mid-run"
+        assert wait_all(procs, 240) == [0, 0]
+        assert [d.poll() for d in drafters] == [None, None], "a disabled drafter stays up (a native sidecar)"
+        for n, d in enumerate(drafters):
+            ring = node_ring_dir(root / "ring", n, 2) / "ring-0"
+            assert str(ring) not in Path(f"/proc/{d.pid}/maps").read_text(), "the ring is let go"
+        codes = []
+        for d in drafters:
+            d.send_signal(signal.SIGTERM)
+            codes.append(d.wait(timeout=60))
+        assert codes == [0, 0]
+    finally:
+        stop(procs, grace_s=0)
+        for d in drafters:
+            if d.poll() is None:
+                d.kill()
+                d.wait()
+    _assert_target_unchanged(root, off)
+    for n in range(2):
+        s = _summary(root, n)
+        assert s["state"] == "Disabled" and s["reason"] == "DisabledByOperator", s
+        assert s["microSteps"] == disabled[n]["microSteps"], "no work after it was disabled"
+        evs = read_jsonl(root / "metrics" / f"drafter-rank-{n}.jsonl")
+        cut = next(i for i, e in enumerate(evs) if e["event"] == "disabled")
+        assert not [e for e in evs[cut:] if e["event"] in ("work", "checkpoint", "export", "acceptance")], evs[cut:]

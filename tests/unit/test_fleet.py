@@ -1,17 +1,21 @@
-"""drafter.links + drafter.fleet on real loopback sockets: framing, the bandwidth cap, bounded
-queues, sample fan-out, work-weighted combination, local progress kept, a dead peer."""
+"""drafter.links + drafter.fleet on real loopback sockets: the bandwidth cap, bounded queues,
+sample fan-out, work-weighted combination, local progress kept, a dead peer (the channel's
+authentication and the checks of what is received: test_fleet_auth.py, test_fleet_checks.py)."""
 
 from __future__ import annotations
 
-import socket
+import os
 import time
+from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
+from spectrain_workloads.drafter.auth import Identity, Session
+from spectrain_workloads.drafter.checks import TargetSpec
 from spectrain_workloads.drafter.fleet import Combined, Fleet, FleetConfig, parse_peers
-from spectrain_workloads.drafter.links import Frame, Link, Server, Stats, TokenBucket, read_frame
+from spectrain_workloads.drafter.links import Frame, Link, Stats, TokenBucket
+from spectrain_workloads.drafter.listener import Server
 from spectrain_workloads.drafter.replicas import ModelSync
 from spectrain_workloads.errors import ConfigError
 from tests.launch import free_ports
@@ -20,20 +24,33 @@ from tests.waiting import wait_for
 pytestmark = pytest.mark.unit
 
 
-def test_frames_round_trip_over_a_socket() -> None:
-    a, b = socket.socketpair()
-    f = Frame("sample", {"rank": 3, "shapes": [[4]]}, np.arange(4, dtype=np.int64).tobytes())
-    a.sendall(f.encode() + f.encode())
-    for _ in range(2):
-        g = read_frame(b)
-        assert g is not None and g.kind == "sample" and g.header == {"rank": 3, "shapes": [[4]]}
-        assert np.frombuffer(g.payload, dtype=np.int64).tolist() == [0, 1, 2, 3]
-    a.close()
-    assert read_frame(b) is None
+KEY = os.urandom(32)
+TARGET = TargetSpec(vocab=1000, hidden=4, max_tokens=64)
+WEIGHTS = {"weight": torch.zeros(1, 2)}
+
+
+class Collect:
+    """A links.Receiver that keeps the arrival time of every frame."""
+
+    def __init__(self) -> None:
+        self.got: list[float] = []
+
+    def cap(self, kind: str) -> int:
+        return 1 << 20
+
+    def admit(self, kind: str, header: dict[str, Any], peer: Session) -> str | None:
+        return None
+
+    def handle(self, frame: Frame, peer: Session) -> None:
+        self.got.append(time.monotonic())
+
+    def defer(self, kind: str) -> bool:
+        return False
 
 
 def test_parse_peers() -> None:
     assert parse_peers("a:10,b:20", world=4, local_world=2) == [("a", 10), ("a", 11), ("b", 20), ("b", 21)]
+    assert parse_peers("[fd00::1]:10", world=1, local_world=1) == [("fd00::1", 10)]
     with pytest.raises(ConfigError, match="SPECTRAIN_DRAFTER_PEERS lists 2 nodes x 1 local ranks, but WORLD_SIZE is 3"):
         parse_peers("a:10,b:20", world=3, local_world=1)
     with pytest.raises(ConfigError, match="'nohost' is not host:port"):
@@ -41,12 +58,13 @@ def test_parse_peers() -> None:
 
 
 def test_bandwidth_cap_holds_and_a_full_queue_drops() -> None:
-    got: list[float] = []
-    stats = Stats()
+    recv, stats, ident = Collect(), Stats(), Identity(KEY, "job", 0)
+    got = recv.got
     port = free_ports(1)[0]
-    server = Server(("127.0.0.1", port), lambda f: got.append(time.monotonic()), stats)
+    server = Server([("127.0.0.1", port)], recv, stats, ident=ident, rank=1, world=2, max_conns=4)
     rate = 2e6                                    # 2 MB/s, bursts of 0.25 s
-    link = Link(("127.0.0.1", port), TokenBucket(rate, rate * 0.25), max_queue_bytes=3 << 20, stats=stats)
+    link = Link(("127.0.0.1", port), TokenBucket(rate, rate * 0.25), max_queue_bytes=3 << 20, stats=stats,
+                ident=ident, rank=0, peer_rank=1)
     payload = b"x" * 400_000
     t0 = time.monotonic()
     sent = sum(link.send(Frame("sample", {}, payload)) for _ in range(20))
@@ -59,9 +77,12 @@ def test_bandwidth_cap_holds_and_a_full_queue_drops() -> None:
     server.close()
 
 
-def _fleet(rank: int, ports: list[int], *, pipeline: int, coordinator: int, **kw: float) -> Fleet:
-    return Fleet(FleetConfig(rank=rank, world=len(ports), pipeline=pipeline, coordinator=coordinator,
-                             addresses=[("127.0.0.1", p) for p in ports], bind_host="127.0.0.1", **kw))
+def _fleet(rank: int, ports: list[int], *, pipeline: int, coordinator: int, **kw: Any) -> Fleet:
+    """A fleet member on loopback that expects TARGET's samples and WEIGHTS' table."""
+    f = Fleet(FleetConfig(rank=rank, world=len(ports), pipeline=pipeline, coordinator=coordinator,
+                          addresses=[("127.0.0.1", p) for p in ports], key=KEY, job_uid="job", **kw))
+    f.expect(WEIGHTS, TARGET)
+    return f
 
 
 def test_last_stage_shares_samples_with_the_other_stages_of_its_replica() -> None:
@@ -116,16 +137,16 @@ def test_combination_is_work_weighted_and_keeps_local_progress() -> None:
         with torch.no_grad():
             models[0].weight.add_(10.0)                 # progress after sending: kept on apply
         seq2, p2 = syncs[2].contribution()
-        c = fleets[2].combine(p2, seq2, own_work_s=1.0, version=7)
-        assert c is not None and c.version == 7 and c.included == {2: seq2, 0: seq0, 1: seq1}
+        c = fleets[2].combine(p2, seq2, own_work_s=1.0, version=3)
+        assert c is not None and c.version == 3 and c.included == {2: seq2, 0: seq0, 1: seq1}
         # (3 * 0 + 0 * 1 + 1 * 2) / 4 = 0.5
         assert torch.allclose(c.params["weight"], torch.full((1, 2), 0.5))
         wait_for(lambda: fleets[0].combined_in is not None and fleets[1].combined_in is not None, timeout=10)
         got = fleets[0].take_combined()
-        assert got is not None and got.version == 7 and got.work_s == 4.0
+        assert got is not None and got.version == 3 and got.work_s == 4.0
         syncs[0].apply(got, rank=0)
         assert torch.allclose(models[0].weight, torch.full((1, 2), 10.5))
-        assert fleets[2].combine(p2, seq2, own_work_s=1.0, version=8) is None    # nobody else contributed
+        assert fleets[2].combine(p2, seq2, own_work_s=1.0, version=4) is None    # nobody else contributed
     finally:
         for f in fleets:
             f.close()

@@ -8,15 +8,33 @@ e.g. from a full disk, is skipped for the one before). The newest `keep` are kep
 Export: `$EXPORT_DIR/v<version>/model.safetensors` + `config.json`, and `LATEST` naming the newest
 version directory, replaced atomically after the directory is complete. Consumers call
 `load_drafter(dir) -> (module, meta)` with the export root (follows LATEST) or a version dir.
+
+Exports are safe to serve (what a team deploys must never go backwards or be corrupt):
+- a version number is never reused, by any incarnation of the writer: `.versions` in the export
+  root holds the high-water mark, raised (atomically, fsynced) before a version's directory is
+  built, so a number survives pruning, a lost checkpoint and a crash mid-write; the next version
+  is above it, every `v<N>` present and LATEST (`export_high_water`). A writer asking for a number at
+  or below that mark is refused (`ExportRefused`): no `v<N>` is rewritten, LATEST only moves forward;
+- weights that are not all finite are refused;
+- config.json carries `sha256`: file (relative to the version directory) -> hex digest, for every
+  file of the version but config.json itself (the serving layouts' too); `load_drafter` checks
+  them and names the file that does not match.
+Writers of one export root serialize on `.lock` (flock): a restarted sidecar whose predecessor is
+still finishing cannot interleave with it.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import math
 import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +48,13 @@ from spectrain_workloads.model import ModelConfig, Transformer
 FORMAT = "spectrain-drafter/1"
 _CKPT = re.compile(r"^ckpt-(\d+)$")
 _EXPORT = re.compile(r"^v(\d+)$")
+HIGH_WATER = ".versions"          # the export root's version high-water mark (JSON)
+LOCK = ".lock"
+NOISE_Z = 2.0                     # the acceptance gate's tolerance, in standard errors of the difference
+
+
+class ExportRefused(ValueError):
+    """An export that would reuse a version, move LATEST backwards or ship non-finite weights."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -52,6 +77,17 @@ def _fsync_tree(path: Path) -> None:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write `path` through a temp sibling, os.replace and an fsync of the directory (atomic, durable)."""
+    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 def _save_tensors(module: nn.Module, path: Path) -> None:
@@ -140,32 +176,151 @@ def load_checkpoint(root: Path, module: nn.Module, optimizer: torch.optim.Optimi
 
 # ---------------------------------------------------------------- exports
 
-def export_drafter(export_dir: str | os.PathLike[str], version: int, module: nn.Module,
+def _latest_version(root: Path) -> int:
+    try:
+        m = _EXPORT.match((root / "LATEST").read_text().strip())
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    return int(m.group(1)) if m else 0
+
+
+def _recorded_high_water(root: Path) -> int:
+    try:
+        return int(json.loads((root / HIGH_WATER).read_text())["high_water"])
+    except FileNotFoundError:
+        return 0
+    except (ValueError, KeyError, TypeError):
+        # a damaged mark (written atomically, so only by hand): the directories and LATEST still bound it
+        print(f"drafter: {root / HIGH_WATER} is unreadable; using the versions present", flush=True)
+        return 0
+
+
+def export_high_water(export_dir: str | os.PathLike[str]) -> int:
+    """The highest export version this root ever had: the recorded mark, every v<N> present (half-written
+    ones too) and LATEST. 0 for a root never exported to."""
+    root = Path(export_dir)
+    if not root.is_dir():
+        return 0
+    present = [int(m.group(1)) for p in root.iterdir()
+               if (m := _EXPORT.match(p.name) or re.match(r"^\.tmp-v(\d+)-\d+$", p.name))]
+    return max([_recorded_high_water(root), _latest_version(root), *present])
+
+
+def next_export_version(export_dir: str | os.PathLike[str]) -> int:
+    return export_high_water(export_dir) + 1
+
+
+@contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an infinity."""
+    return [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
+def acceptance_verdict(acceptance: float | None, reference: float | None, floor: float, *,
+                       stderr: float = 0.0, reference_stderr: float = 0.0) -> str | None:
+    """Why a candidate's acceptance length fails `floor` x the last exported version's (the worker's gate),
+    or None when it passes. Both are measurements on a few dozen held-back chains: the candidate fails
+    only when it is below the floor by more than NOISE_Z standard errors of the difference (`stderr`,
+    `reference_stderr`: of each measurement), so that noise alone rarely rejects a version no worse.
+    No reference (nothing exported with a measurement yet): nothing to compare with, it passes (the
+    first versions, before any sample was held back: the finite check decides). A reference but no
+    measurement of the candidate (no held-back samples, e.g. right after a restart): it fails, since
+    nothing shows it is not worse. Floor 0: no acceptance gate."""
+    if reference is None or floor <= 0:
+        return None
+    if acceptance is None:
+        return "no held-back samples to measure it against the last exported version's acceptance"
+    if not math.isfinite(acceptance):
+        return f"acceptance length {acceptance} is not finite"
+    margin = NOISE_Z * math.hypot(stderr, floor * reference_stderr)
+    if acceptance + margin < floor * reference:
+        return (f"acceptance length {acceptance:.3f} < {floor:g} x {reference:.3f} (the last exported "
+                f"version's) by more than {NOISE_Z:g} standard errors ({margin:.3f})")
+    return None
+
+
+def acceptance_stderr(per_depth: list[int], chains: int) -> float:
+    """Standard error of the mean accepted length over `chains` chains, from verify.Acceptance's
+    per_depth (chains whose first j+1 drafts were accepted): X = sum_j [X > j], X^2 = sum_j (2j+1) [X > j]."""
+    if chains < 2:
+        return 0.0
+    mean = sum(per_depth) / chains
+    square = sum((2 * j + 1) * n for j, n in enumerate(per_depth)) / chains
+    return math.sqrt(max(square - mean * mean, 0.0) / (chains - 1))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digests(d: Path) -> dict[str, str]:
+    return {p.relative_to(d).as_posix(): _sha256(p) for p in sorted(d.rglob("*"))
+            if p.is_file() and p.relative_to(d).as_posix() != "config.json"}
+
+
+def export_drafter(export_dir: str | os.PathLike[str], version: int | None, module: nn.Module,
                    meta: dict[str, Any], *, keep: int = 3) -> Path:
-    """Write v<version>/{model.safetensors, config.json} and point LATEST at it."""
+    """Write v<version>/{model.safetensors, config.json} and point LATEST at it.
+
+    `version` None: the next free number. Raises ExportRefused (nothing written) for a version at or
+    below the root's high-water mark or for weights that are not all finite."""
     root = Path(export_dir)
     arch = "Eagle" if isinstance(module, EagleDrafter) else "LM"
     cfg: ModelConfig = module.cfg  # type: ignore[assignment]
-    config = {**meta, "format": FORMAT, "arch": arch, "version": version, "model_config": cfg.to_dict(),
-              "vocab_size": cfg.vocab_size, "exported_at": time.time()}
-    if hasattr(module, "target_config"):   # hf_eagle.HFEagleDrafter: rebuilt from the target's config.json
-        config["hf_target_config"] = module.target_config
+    # checked on the host copy that is written: no kernels on the device the target trains on
+    tensors = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        raise ExportRefused(f"weights not finite: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
+    with _locked(root):
+        high = export_high_water(root)
+        version = high + 1 if version is None else version
+        if version <= high:
+            raise ExportRefused(f"version {version} is not above {root}'s high-water mark v{high}: "
+                                "a version is never rewritten and LATEST never moves backwards")
+        _replace_text(root / HIGH_WATER, json.dumps({"high_water": version}) + "\n")   # reserved first
+        config = {**meta, "format": FORMAT, "arch": arch, "version": version, "model_config": cfg.to_dict(),
+                  "vocab_size": cfg.vocab_size, "exported_at": time.time()}
+        if hasattr(module, "target_config"):   # hf_eagle.HFEagleDrafter: rebuilt from the target's config.json
+            config["hf_target_config"] = module.target_config
 
-    def fill(tmp: Path) -> None:
-        _save_tensors(module, tmp / "model.safetensors")
-        _write_json(tmp / "config.json", config)
-        if hasattr(module, "target_config"):   # beside it, the layouts vLLM and SGLang load (docs/serving.md)
-            from spectrain_workloads.drafter.serving_export import export_serving
+        def fill(tmp: Path) -> None:
+            from safetensors.torch import save_file
 
-            export_serving(tmp, module)   # type: ignore[arg-type]
+            save_file(tensors, str(tmp / "model.safetensors"))
+            if hasattr(module, "target_config"):   # beside it, the layouts vLLM and SGLang load (docs/serving.md)
+                from spectrain_workloads.drafter.serving_export import export_serving
 
-    path = _atomic_dir(root / f"v{version}", fill)
-    latest_tmp = root / f".tmp-LATEST-{os.getpid()}"
-    latest_tmp.write_text(path.name + "\n")
-    os.replace(latest_tmp, root / "LATEST")
-    _fsync_dir(root)
-    _prune(root, _EXPORT, keep)
+                export_serving(tmp, module)   # type: ignore[arg-type]
+            _write_json(tmp / "config.json", {**config, "sha256": _digests(tmp)})
+
+        path = _atomic_dir(root / f"v{version}", fill)
+        _replace_text(root / "LATEST", path.name + "\n")
+        _prune(root, _EXPORT, keep)
     return path
+
+
+def latest_export_meta(export_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """config.json of the version LATEST names, or None (no export yet, or it is unreadable)."""
+    root = Path(export_dir)
+    try:
+        return json.loads((root / (root / "LATEST").read_text().strip() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def resolve_export(path: str | os.PathLike[str]) -> Path:
@@ -183,13 +338,15 @@ def load_drafter(path: str | os.PathLike[str], *, device: str | torch.device = "
     """(module in eval mode, the export's config.json) from an export root or version directory.
 
     Eagle: `EagleDrafter` with the target's frozen embedding/head inside; LM: `model.Transformer`.
+    Every file config.json lists is checked against its sha256 first (ConfigError naming the file).
     """
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     d = resolve_export(path)
     meta = json.loads((d / "config.json").read_text())
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{d}/config.json has format {meta.get('format')!r}; this loader reads {FORMAT!r}")
+    verify_export(d, meta, skip=("model.safetensors",))   # that one is checked as it is read, below
     known = set(ModelConfig.__dataclass_fields__)
     cfg = ModelConfig(**{k: v for k, v in meta["model_config"].items() if k in known})
     module: nn.Module
@@ -203,5 +360,35 @@ def load_drafter(path: str | os.PathLike[str], *, device: str | torch.device = "
         module = Transformer(cfg)
     else:
         raise ConfigError(f"{d}/config.json: unknown arch {meta['arch']!r}")
-    module.load_state_dict(load_file(str(d / "model.safetensors")), strict=True)
+    module.load_state_dict(load(verified_bytes(d, meta, "model.safetensors")), strict=True)
     return module.to(device).eval(), meta
+
+
+def verify_export(d: Path, meta: dict[str, Any], *, skip: tuple[str, ...] = ()) -> None:
+    """Check every file config.json lists (but `skip`) against its sha256: ConfigError naming the first
+    that differs."""
+    digests = meta.get("sha256")
+    if not isinstance(digests, dict):
+        raise ConfigError(f"{d}/config.json has no sha256 of its files: the export predates checksums or was "
+                          "edited; export the drafter again")
+    for name, want in digests.items():
+        if name not in skip and _sha256(d / name) != want:
+            raise ConfigError(_mismatch(d, name))
+
+
+def _mismatch(d: Path, name: str) -> str:
+    return (f"{d / name} does not match the sha256 in {d}/config.json: the file is damaged or was replaced; "
+            "use another version or export again")
+
+
+def verified_bytes(d: Path, meta: dict[str, Any], name: str) -> bytes:
+    """The bytes of `name` in version directory d, checked against config.json's sha256 (read once:
+    what is checked is what is loaded)."""
+    digests = meta.get("sha256")
+    if not isinstance(digests, dict) or name not in digests:
+        raise ConfigError(f"{d}/config.json has no sha256 of {name}: the export predates checksums or was "
+                          "edited; export the drafter again")
+    data = (d / name).read_bytes()
+    if hashlib.sha256(data).hexdigest() != digests[name]:
+        raise ConfigError(_mismatch(d, name))
+    return data

@@ -20,6 +20,12 @@ drafter that receives version v keeps what it learnt after its contribution left
 (or - params_at_last_combined when its contribution was not in the round). A drafter that starts
 or restarts says hello and gets the latest combined version. A missing peer costs nothing: the
 round goes on with whoever contributed, and the peer is taken back when it sends again.
+
+Trust: every connection is authenticated with the job's key (drafter.auth) and everything received
+is checked before use (drafter.checks): samples against the target (`expect`), weights against the
+local model, claimed work against wall time, a combined version only from the coordinator and at
+most a few versions ahead (further only as the answer to this drafter's own hello). A rejected
+item is dropped and counted by cause (`stats.rejected()`); a bad frame never ends a thread.
 """
 
 from __future__ import annotations
@@ -28,105 +34,129 @@ import collections
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-from spectrain_workloads.drafter.links import Frame, Link, Server, Stats, TokenBucket
-from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.drafter import checks
+from spectrain_workloads.drafter.auth import Identity, Session
+from spectrain_workloads.drafter.fleet_records import (
+    BIND_ENV,
+    PEERS_ENV,
+    Combined,
+    Contribution,
+    Credit,
+    FleetConfig,
+    pack_params,
+    parse_peers,
+    raw_bytes,
+    unpack_params,
+)
+from spectrain_workloads.drafter.links import Frame, Link, Rejected, Stats, TokenBucket
+from spectrain_workloads.drafter.listener import Server
 
-PEERS_ENV = "SPECTRAIN_DRAFTER_PEERS"
-BIND_ENV = "SPECTRAIN_DRAFTER_BIND"
-
-
-def parse_peers(text: str, world: int, local_world: int) -> list[tuple[str, int]]:
-    """Address of every rank from `host:port` per node (local rank i listens on port + i)."""
-    nodes = [p.strip() for p in text.split(",") if p.strip()]
-    if len(nodes) * local_world != world:
-        raise ConfigError(f"{PEERS_ENV} lists {len(nodes)} nodes x {local_world} local ranks, but WORLD_SIZE is "
-                          f"{world}: one host:port per node (the operator sets it)")
-    out = []
-    for n in nodes:
-        host, _, port = n.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"{PEERS_ENV}: {n!r} is not host:port")
-        out += [(host, int(port) + i) for i in range(local_world)]
-    return out
-
-
-@dataclass
-class Combined:
-    version: int
-    params: dict[str, torch.Tensor]
-    included: dict[int, int]           # rank -> sequence number of the contribution averaged in
-    work_s: float                      # window work in this version, over every contribution
-    work_by_rank: dict[int, float] = field(default_factory=dict)   # coordinator only: each rank's part
-    samples_by_rank: dict[int, int] = field(default_factory=dict)  # coordinator only: the samples of that work
-
-
-@dataclass
-class _Contribution:
-    seq: int
-    params: dict[str, torch.Tensor]
-    work_total_s: float               # the sender's window work since it started (cumulative)
-    incarnation: str = ""             # the sender process: a restarted drafter counts from 0 again
-    samples_total: int = 0            # the samples that work trained on (cumulative)
-
-
-@dataclass
-class FleetConfig:
-    rank: int
-    world: int
-    pipeline: int
-    coordinator: int
-    addresses: list[tuple[str, int]]
-    bind_host: str = "0.0.0.0"
-    bandwidth_bytes_per_s: float = 64e6
-    combine_every_s: float = 10.0
-    max_queue_bytes: int = 8 << 20
-    inbox_bytes: int = 64 << 20
-    sample_ranks: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.sample_ranks and self.rank % self.pipeline == self.pipeline - 1:
-            base = self.rank - self.pipeline + 1
-            self.sample_ranks = [base + s for s in range(self.pipeline - 1)]
+WEIGHTS_CAP_UNKNOWN = 1 << 34    # before the local model exists weights are read past (never kept): a length sanity bound
+WORK_SLACK_S = 2.0               # + one round: a contribution may lag the work it holds by a round (queues)
+HELLO_REANSWER_S = 1.0           # a new connection of a rank may get the same version again after this
+HELLO_NONCES = 4                 # recent hellos whose answers this drafter takes as replies
 
 
 class Fleet:
     def __init__(self, cfg: FleetConfig) -> None:
         self.cfg = cfg
+        self.ident = Identity(cfg.key if cfg.mac else None, cfg.job_uid, cfg.generation)
         self.stats = Stats()
         self.bucket = TokenBucket(cfg.bandwidth_bytes_per_s, max(cfg.bandwidth_bytes_per_s * 0.25, 1 << 16))
         self.lock = threading.Lock()
         self.contributed = threading.Condition(self.lock)
         self.members_seen: set[int] = set()            # coordinator: ranks that ever contributed
-        self.inbox: collections.deque[tuple[torch.Tensor, torch.Tensor | None, int, int]] = collections.deque()
+        self.inbox: collections.deque[tuple[Frame, int]] = collections.deque()   # samples, checked when taken
         self.inbox_bytes = 0
-        self.contributions: dict[int, _Contribution] = {}
-        # coordinator: per rank, (incarnation, work total) already counted in a combined version. A
+        self.contributions: dict[int, Contribution] = {}
+        # coordinator: per rank, the work and samples of its process already in a combined version. A
         # contribution carries the sender's cumulative work, so one replaced in a send queue or
         # overwritten by a newer one before a round loses no work: the newer total holds it.
-        self.credited: dict[int, tuple[str, float, int]] = {}
+        self.credited: dict[int, Credit] = {}
         self.incarnation = f"{os.getpid()}-{time.monotonic_ns()}"
         self.combined_in: Combined | None = None       # the newest combined version not yet applied
+        self.newest = 0                                 # member: the newest combined version taken
         self.latest: Combined | None = None            # coordinator: the newest combined version
+        self.answered: dict[int, tuple[str, int, float]] = {}   # coordinator: rank -> (session, version, when)
+        self.hello_nonces: collections.deque[str] = collections.deque(maxlen=HELLO_NONCES)
+        self.want_hello = False                         # member: a version too far ahead came: ask for the newest
+        self.last_hello = 0.0
+        self.table: checks.ParamTable | None = None     # the local model's trainable tensors
+        self.target: checks.TargetSpec | None = None
         self.links: dict[int, Link] = {}
-        self.server = Server((cfg.bind_host, cfg.addresses[cfg.rank][1]), self._on_frame, self.stats)
+        self.links_lock = threading.Lock()              # links are made by the worker and by readers (hello answers)
+        port = cfg.addresses[cfg.rank][1]
+        self.server = Server([(h, port) for h in cfg.bind_hosts], self, self.stats, ident=self.ident,
+                             rank=cfg.rank, world=cfg.world, max_conns=cfg.max_conns)
 
     @property
     def is_coordinator(self) -> bool:
         return self.cfg.rank == self.cfg.coordinator
 
+    def expect(self, params: Mapping[str, torch.Tensor], target: checks.TargetSpec | None = None) -> None:
+        """The local model exists: what received weights and samples are checked against (the
+        target from the config, else from its shared model config in run_dir)."""
+        spec = target or self.cfg.target
+        if spec is None and self.cfg.run_dir is not None:
+            spec = checks.TargetSpec.from_run_dir(self.cfg.run_dir)
+        with self.lock:
+            self.table, self.target = checks.param_table(params), spec
+
     def _link(self, rank: int) -> Link:
-        if rank not in self.links:
-            self.links[rank] = Link(self.cfg.addresses[rank], self.bucket, max_queue_bytes=self.cfg.max_queue_bytes,
-                                    stats=self.stats)
-        return self.links[rank]
+        with self.links_lock:
+            if rank not in self.links:
+                self.links[rank] = Link(self.cfg.addresses[rank], self.bucket, max_queue_bytes=self.cfg.max_queue_bytes,
+                                        stats=self.stats, ident=self.ident, rank=self.cfg.rank, peer_rank=rank)
+            return self.links[rank]
+
+    # ------------------------------------------------------------ receiving (links.Receiver)
+    def cap(self, kind: str) -> int:
+        if kind == "sample":
+            return min(self.cfg.inbox_bytes, self.target.sample_bytes) if self.target else self.cfg.inbox_bytes
+        if kind in ("contrib", "combined"):
+            return checks.table_bytes(self.table) if self.table is not None else WEIGHTS_CAP_UNKNOWN
+        return 0                                        # hello: its header says everything
+
+    def admit(self, kind: str, header: dict[str, Any], peer: Session) -> str | None:
+        """Whether this rank takes a frame of `kind` from `peer` (before its payload is read)."""
+        if "rank" in header and header["rank"] != peer.peer_rank:
+            return "rank"
+        if kind == "sample":
+            return ("role" if peer.peer_rank not in self.cfg.sample_sources
+                    else "not_ready" if self.target is None else None)
+        if kind == "contrib":
+            return "role" if not self.is_coordinator else "not_ready" if self.table is None else None
+        if kind == "hello":
+            return None if self.is_coordinator else "role"
+        if kind == "combined":
+            if self.is_coordinator or peer.peer_rank != self.cfg.coordinator:
+                return "role"
+            if self.table is None:
+                return "not_ready"
+            version = header.get("version")
+            if not isinstance(version, int) or isinstance(version, bool):
+                return "header"
+            if not checks.version_ok(version, self.newest, reply=header.get("reply") in self.hello_nonces):
+                if version > self.newest:
+                    self.want_hello = True              # far ahead: ask for it as the answer to a hello
+                return "version"
+            return None
+        return "kind"
+
+    def handle(self, f: Frame, peer: Session) -> None:
+        if f.kind == "sample":
+            self._on_sample(f, peer)
+        elif f.kind == "contrib":
+            self._on_contrib(f, peer)
+        elif f.kind == "combined":
+            self._on_combined(f)
+        elif f.kind == "hello":
+            self._on_hello(f, peer)
 
     # ------------------------------------------------------------ samples
     def share(self, tokens: torch.Tensor, hidden: torch.Tensor | None, step: int) -> None:
@@ -139,44 +169,61 @@ class Fleet:
             arrays.append(hidden.contiguous())
         header = {"rank": self.cfg.rank, "step": step, "shapes": [list(a.shape) for a in arrays],
                   "dtypes": [str(a.dtype).removeprefix("torch.") for a in arrays]}
-        frame = Frame("sample", header, b"".join(_raw(a) for a in arrays))
+        frame = Frame("sample", header, b"".join(raw_bytes(a) for a in arrays))
         for r in self.cfg.sample_ranks:
             self._link(r).send(frame)
         self.stats.add(samples_shared=1)
 
     def take_samples(self, limit: int) -> list[tuple[torch.Tensor, torch.Tensor | None, int, int]]:
-        """Up to `limit` received sequences: (tokens [T], hidden [T, H] or None, step, from rank)."""
+        """Up to `limit` received sequences: (tokens [T], hidden [T, H] or None, step, from rank),
+        each checked now (its MAC, drafter.checks): at the cap most arrivals leave a full inbox
+        unread, so only what is used pays for the checks."""
         out: list[tuple[torch.Tensor, torch.Tensor | None, int, int]] = []
-        with self.lock:
-            while self.inbox and len(out) < limit:
-                item = self.inbox.popleft()
-                self.inbox_bytes -= _nbytes(item[0], item[1])
-                out.append(item)
+        while len(out) < limit:
+            with self.lock:
+                if not self.inbox:
+                    break
+                f, rank = self.inbox.popleft()
+                self.inbox_bytes -= len(f.payload)
+            try:
+                if f.verify is not None and not f.verify():
+                    raise Rejected("mac", "payload MAC does not verify")
+                assert self.target is not None
+                tokens, hidden = checks.sample_arrays(f.header, f.payload, self.target)
+                out.append((tokens, hidden, checks.field(f.header, "step", int), rank))
+            except Rejected as exc:
+                self.stats.reject(exc.cause)
         return out
 
-    def _on_sample(self, f: Frame) -> None:
-        arrays, offset = [], 0
-        for shape, dtype in zip(f.header["shapes"], f.header["dtypes"], strict=True):
-            dt = getattr(torch, dtype)
-            n = int(np.prod(shape)) * torch.empty((), dtype=dt).element_size()
-            arrays.append(torch.frombuffer(bytearray(f.payload[offset:offset + n]), dtype=dt).reshape(shape))
-            offset += n
-        tokens, hidden = arrays[0], (arrays[1] if len(arrays) > 1 else None)
+    def _on_sample(self, f: Frame, peer: Session) -> None:
         size = len(f.payload)
         with self.lock:
             while self.inbox and self.inbox_bytes + size > self.cfg.inbox_bytes:
-                old = self.inbox.popleft()     # the oldest goes: fresher samples track the target better
-                self.inbox_bytes -= _nbytes(old[0], old[1])
+                old, _ = self.inbox.popleft()  # the oldest goes: fresher samples track the target better
+                self.inbox_bytes -= len(old.payload)
                 self.stats.add(inbox_dropped=1)
-            self.inbox.append((tokens, hidden, int(f.header["step"]), int(f.header["rank"])))
+            self.inbox.append((f, peer.peer_rank))
             self.inbox_bytes += size
         self.stats.add(samples_received=1)
+
+    def defer(self, kind: str) -> bool:
+        return kind == "sample"
 
     # ------------------------------------------------------------ weights
     def hello(self) -> None:
         """Ask the coordinator for its newest combined version (a drafter that (re)starts)."""
-        if not self.is_coordinator:
-            self._link(self.cfg.coordinator).send(Frame("hello", {"rank": self.cfg.rank}, b""), latest_only=True)
+        if self.is_coordinator:
+            return
+        nonce = os.urandom(16).hex()
+        self.hello_nonces.append(nonce)
+        self.last_hello, self.want_hello = time.monotonic(), False
+        self._link(self.cfg.coordinator).send(Frame("hello", {"rank": self.cfg.rank, "nonce": nonce}, b""),
+                                              latest_only=True)
+
+    def resync(self) -> None:
+        """Member, between rounds: a version too far ahead was refused: ask for the newest (once a round)."""
+        if self.want_hello and time.monotonic() - self.last_hello >= self.cfg.combine_every_s:
+            self.hello()
 
     def contribute(self, seq: int, params: dict[str, torch.Tensor], work_total_s: float, samples_total: int = 0) -> None:
         """This rank's parameters for the next round, with its window work (and the samples it
@@ -185,8 +232,23 @@ class Fleet:
             return
         header = {"rank": self.cfg.rank, "seq": seq, "work_total_s": work_total_s, "samples_total": samples_total,
                   "incarnation": self.incarnation}
-        self._link(self.cfg.coordinator).send(Frame("contrib", header, _pack(params)), droppable=False,
+        self._link(self.cfg.coordinator).send(Frame("contrib", header, pack_params(params)), droppable=False,
                                               latest_only=True)
+
+    def accept_update(self, new: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]) -> bool:
+        """Weights to apply are no larger an update than checks.UPDATE_NORM_FACTOR allows (counted if not)."""
+        if set(new) != set(local):
+            self.stats.reject("keys")
+            return False
+        if not checks.update_ok(new, local):
+            self.stats.reject("update_norm")
+            return False
+        return True
+
+    def refused_version(self, applied: int) -> None:
+        """Member: a combined version failed its checks on apply; the newest one held is `applied` again."""
+        with self.lock:
+            self.newest = applied
 
     def combine(self, own: dict[str, torch.Tensor], own_seq: int, own_work_s: float,
                 version: int, own_samples: int = 0) -> Combined | None:
@@ -196,6 +258,7 @@ class Fleet:
         contributed or nobody worked."""
         with self.lock:
             round_, self.contributions = self.contributions, {}
+        round_ = {r: c for r, c in round_.items() if self.accept_update(c.params, own)}
         new = {r: self._new_work(r, c) for r, c in round_.items()}      # not yet in any version
         work = {r: w for r, (w, _) in new.items()}
         total = own_work_s + sum(work.values())
@@ -205,7 +268,10 @@ class Fleet:
                     self.contributions = {**round_, **self.contributions}
             return None
         for r, c in round_.items():
-            self.credited[r] = (c.incarnation, c.work_total_s, c.samples_total)
+            prev = self.credited.get(r)
+            same = prev is not None and prev.incarnation == c.incarnation
+            self.credited[r] = Credit(c.incarnation, (prev.work_s if same and prev else 0.0) + new[r][0],
+                                       (prev.samples if same and prev else 0) + new[r][1], c.received_at)
         weights = [own_work_s / total, *(work[r] / total for r in round_)]
         parts = [own, *(c.params for c in round_.values())]
         params = {n: torch.stack([w * p[n].to(own[n].device, torch.float32) for w, p in zip(weights, parts, strict=True)])
@@ -217,12 +283,19 @@ class Fleet:
         self._broadcast(combined, range(self.cfg.world))
         return combined
 
-    def _new_work(self, rank: int, c: _Contribution) -> tuple[float, int]:
-        """The part of a contribution's cumulative (work seconds, samples) no combined version holds yet."""
-        incarnation, work, samples = self.credited.get(rank, ("", 0.0, 0))
-        if incarnation != c.incarnation:
-            return c.work_total_s, c.samples_total
-        return c.work_total_s - work, c.samples_total - samples
+    def _new_work(self, rank: int, c: Contribution) -> tuple[float, int]:
+        """The part of a contribution's cumulative (work seconds, samples) no combined version holds
+        yet, credited at most at the rate of wall time (the rest waits for later rounds)."""
+        prev = self.credited.get(rank)
+        same = prev is not None and prev.incarnation == c.incarnation
+        work = c.work_total_s - (prev.work_s if same and prev else 0.0)
+        samples = c.samples_total - (prev.samples if same and prev else 0)
+        since = prev.at if same and prev else c.session_started
+        limit = checks.credit_limit_s(c.received_at, since, self.cfg.combine_every_s + WORK_SLACK_S)
+        if work > limit:
+            self.stats.add(work_clamped=1)
+            samples, work = int(samples * limit / work), limit
+        return max(work, 0.0), max(samples, 0)
 
     def await_round(self, timeout_s: float) -> None:
         """Coordinator at shutdown: wait (at most `timeout_s`) for a contribution from every rank
@@ -235,11 +308,13 @@ class Fleet:
         for link in list(self.links.values()):
             link.drain(timeout_s)
 
-    def _broadcast(self, c: Combined, ranks: Any) -> None:
-        frame = Frame("combined", {"version": c.version, "included": {str(r): s for r, s in c.included.items()},
-                                   "work_s": c.work_s}, _pack(c.params))
+    def _broadcast(self, c: Combined, ranks: Any, reply: str | None = None) -> None:
+        header = {"version": c.version, "included": {str(r): s for r, s in c.included.items()}, "work_s": c.work_s}
+        frame = Frame("combined", header if reply is None else {**header, "reply": reply}, pack_params(c.params))
+        now = time.monotonic()
         for r in ranks:
             if r != self.cfg.rank:
+                self.answered[r] = ("", c.version, now)
                 self._link(r).send(frame, droppable=False, latest_only=True)
 
     def take_combined(self) -> Combined | None:
@@ -247,49 +322,65 @@ class Fleet:
             c, self.combined_in = self.combined_in, None
         return c
 
-    def _on_frame(self, f: Frame) -> None:
-        if f.kind == "sample":
-            self._on_sample(f)
-        elif f.kind == "contrib" and self.is_coordinator:
-            with self.lock:
-                rank = int(f.header["rank"])
-                self.contributions[rank] = _Contribution(int(f.header["seq"]), _unpack(f.payload),
-                                                         float(f.header["work_total_s"]), str(f.header["incarnation"]),
-                                                         int(f.header.get("samples_total", 0)))
-                self.members_seen.add(rank)
-                self.contributed.notify_all()
-            self.stats.add(contributions_received=1)
-        elif f.kind == "combined":
-            c = Combined(int(f.header["version"]), _unpack(f.payload),
-                         {int(r): int(s) for r, s in f.header["included"].items()}, float(f.header["work_s"]))
-            with self.lock:
-                if self.combined_in is None or c.version > self.combined_in.version:
-                    self.combined_in = c
-        elif f.kind == "hello" and self.is_coordinator and self.latest is not None:
-            self._broadcast(self.latest, [int(f.header["rank"])])
+    def _weights(self, f: Frame) -> dict[str, torch.Tensor]:
+        assert self.table is not None
+        try:
+            params = unpack_params(bytes(f.payload))
+        except Exception:           # safetensors' own parser refused it
+            raise Rejected("malformed", "weights are not safetensors") from None
+        checks.check_weights(params, self.table)
+        return params
+
+    def _on_contrib(self, f: Frame, peer: Session) -> None:
+        h = f.header
+        seq = checks.field(h, "seq", int, low=0)
+        work = checks.field(h, "work_total_s", float, low=0.0)
+        samples = checks.field(h, "samples_total", int, low=0)
+        c = Contribution(seq, self._weights(f), work, checks.incarnation(h), samples, time.monotonic(), peer.started)
+        latest = self.latest     # members are pulled back to it every round: refuse a far one now, not at the round
+        if latest is not None and not checks.update_ok(c.params, latest.params):
+            raise Rejected("update_norm", "too far from the newest combined version")
+        with self.lock:
+            self.contributions[peer.peer_rank] = c
+            self.members_seen.add(peer.peer_rank)
+            self.contributed.notify_all()
+        self.stats.add(contributions_received=1)
+
+    def _on_combined(self, f: Frame) -> None:
+        h = f.header
+        included = h.get("included")
+        if not isinstance(included, dict) or not all(isinstance(s, int) and str(r).isdigit() for r, s in included.items()):
+            raise Rejected("header", "included is not rank -> seq")
+        c = Combined(checks.field(h, "version", int, low=1), self._weights(f), {int(r): s for r, s in included.items()},
+                     checks.field(h, "work_s", float, low=0.0))
+        with self.lock:
+            if not checks.version_ok(c.version, self.newest, reply=h.get("reply") in self.hello_nonces):
+                raise Rejected("version", "not newer than what arrived meanwhile")
+            self.combined_in, self.newest = c, c.version
+
+    def _on_hello(self, f: Frame, peer: Session) -> None:
+        nonce = checks.field(f.header, "nonce", str)
+        if len(nonce) > 64:
+            raise Rejected("header", "nonce too long")
+        latest, r = self.latest, peer.peer_rank
+        if latest is None:
+            return
+        prev = self.answered.get(r)
+        # one answer per version per connection of a rank (a hello flood costs one weights frame per
+        # version), and a new connection (a restarted drafter) of it at most every HELLO_REANSWER_S
+        if prev is not None and prev[1] == latest.version and (
+                prev[0] == peer.id or time.monotonic() - prev[2] < HELLO_REANSWER_S):
+            self.stats.add(hello_unanswered=1)
+            return
+        self._broadcast(latest, [r], reply=nonce)
+        self.answered[r] = (peer.id, latest.version, time.monotonic())
 
     def close(self) -> None:
         self.server.close()
-        for link in self.links.values():
+        with self.links_lock:
+            links = list(self.links.values())
+        for link in links:
             link.close()
-
-
-def _nbytes(tokens: torch.Tensor, hidden: torch.Tensor | None) -> int:
-    return tokens.nbytes + (0 if hidden is None else hidden.nbytes)
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    """The bytes of a CPU tensor (bf16 through an int16 view: numpy has no bfloat16)."""
-    t = t.detach().to("cpu")
-    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
-
-
-def _pack(params: dict[str, torch.Tensor]) -> bytes:
-    return st_save({n: p.detach().to("cpu").contiguous() for n, p in params.items()})
-
-
-def _unpack(data: bytes) -> dict[str, torch.Tensor]:
-    return dict(st_load(data))
 
 
 __all__ = ["BIND_ENV", "Combined", "Fleet", "FleetConfig", "PEERS_ENV", "parse_peers"]

@@ -1,17 +1,16 @@
-"""Messages between drafter sidecars: TCP links that never block the sender.
+"""Messages between drafter sidecars: authenticated TCP links that never block the sender.
 
 Every drafter listens on its own port (`SPECTRAIN_DRAFTER_PEERS`: one `host:port` per node, local
-rank i on port + i) and opens one outgoing connection per peer it sends to. A frame is
-
-    [json length: u32][payload length: u64][json header][payload bytes]
-
-with `kind` in the header. Sending only enqueues: a thread per link writes the frames out, paced
-by one token bucket per process (the `spec.drafter.exchange.bandwidthMBps` cap over all links).
-Droppable frames (samples) are dropped when a link's queue holds `max_queue_bytes` already, so a
-slow or dead receiver costs bounded memory and never stalls training; a frame kind marked
-`latest_only` (weights) replaces the one still queued. A link whose peer is gone reconnects with
-backoff and drops what it could not deliver. Received frames go to one handler callback, called
-on the link's reader thread.
+rank i on port + i), on the pod's own addresses (one socket per address family), and opens one
+outgoing connection per peer it sends to. Each connection starts with drafter.auth's handshake
+and every frame carries its MACs (the wire format is there). Sending only enqueues: a thread per
+link writes the frames out, paced by one token bucket per process (the
+`spec.drafter.exchange.bandwidthMBps` cap over all links). Droppable frames (samples) are dropped
+when a link's queue holds `max_queue_bytes` already, so a slow or dead receiver costs bounded
+memory and never stalls training; a frame kind marked `latest_only` (weights) replaces the one
+still queued. A link whose peer is gone reconnects with backoff and drops what it could not deliver.
+The receiving side is drafter.listener. What fails is counted by cause in `Stats`
+(`rejected:<cause>`).
 """
 
 from __future__ import annotations
@@ -20,57 +19,57 @@ import collections
 import functools
 import json
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-_HEAD = struct.Struct(">IQ")
-MAX_FRAME_BYTES = 1 << 31
+from spectrain_workloads.drafter.auth import HANDSHAKE_TIMEOUT_S, Identity, Session, client_handshake
+
+CHUNK = 1 << 20                  # payloads past this are written (and read) without a copy of them
+
+
+class Rejected(Exception):
+    """A received item failed a check; `cause` names the counter (drafter.checks raises it too)."""
+
+    def __init__(self, cause: str, detail: str = "") -> None:
+        super().__init__(f"{cause}: {detail}" if detail else cause)
+        self.cause = cause
 
 
 @dataclass
 class Frame:
     kind: str
     header: dict[str, Any]
-    payload: bytes
+    payload: bytes | bytearray
+    verify: Callable[[], bool] | None = None     # received, payload MAC not yet checked (listener)
 
     @functools.cached_property
-    def encoded(self) -> bytes:
-        """The wire bytes, built once: a sample frame goes to every other stage of its replica."""
-        head = json.dumps({"kind": self.kind, **self.header}).encode()
-        return _HEAD.pack(len(head), len(self.payload)) + head + self.payload
-
-    def encode(self) -> bytes:
-        return self.encoded
+    def head(self) -> bytes:
+        """The header's bytes, built once: a sample frame goes to every other stage of its replica."""
+        return json.dumps(self.header).encode()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
+class Stats:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: collections.Counter[str] = collections.Counter()
 
+    def add(self, **kw: int) -> None:
+        with self.lock:
+            self.counts.update(kw)
 
-def read_frame(sock: socket.socket) -> Frame | None:
-    """The next frame, or None when the peer closed the connection."""
-    raw = _recv_exact(sock, _HEAD.size)
-    if raw is None:
-        return None
-    n_head, n_payload = _HEAD.unpack(raw)
-    if n_head > 1 << 20 or n_payload > MAX_FRAME_BYTES:
-        raise ConnectionError(f"frame too large ({n_head} + {n_payload} bytes): not a drafter peer")
-    head = _recv_exact(sock, n_head)
-    payload = _recv_exact(sock, n_payload) if n_payload else b""
-    if head is None or payload is None:
-        return None
-    meta = json.loads(head)
-    return Frame(kind=meta.pop("kind"), header=meta, payload=payload)
+    def reject(self, cause: str) -> None:
+        with self.lock:
+            self.counts[f"rejected:{cause}"] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self.counts)
+
+    def rejected(self) -> dict[str, int]:
+        return {k.removeprefix("rejected:"): n for k, n in self.snapshot().items() if k.startswith("rejected:")}
 
 
 class TokenBucket:
@@ -98,48 +97,58 @@ class TokenBucket:
 
 
 class Link:
-    """Frames to one peer, written by a thread; `send` never blocks."""
+    """Frames to the drafter of `peer_rank`, written by a thread; `send` never blocks."""
 
-    def __init__(self, address: tuple[str, int], bucket: TokenBucket, *, max_queue_bytes: int,
-                 stats: Stats) -> None:
-        self.address = address
+    def __init__(self, address: tuple[str, int], bucket: TokenBucket, *, max_queue_bytes: int, stats: Stats,
+                 ident: Identity, rank: int, peer_rank: int) -> None:
+        self.address, self.ident, self.rank, self.peer_rank = address, ident, rank, peer_rank
         self.bucket, self.max_queue_bytes, self.stats = bucket, max_queue_bytes, stats
-        self.queue: collections.deque[tuple[Frame, bytes]] = collections.deque()
+        self.queue: collections.deque[Frame] = collections.deque()
         self.queued_bytes = 0
         self.writing = False                 # a frame is between the queue and the socket
         self.cond = threading.Condition()
         self.stop = threading.Event()
         self.sock: socket.socket | None = None
-        self.thread = threading.Thread(target=self._run, name=f"drafter-link-{address[1]}", daemon=True)
+        self.session: Session | None = None
+        self.thread = threading.Thread(target=self._run, name=f"drafter-link-{peer_rank}", daemon=True)
         self.thread.start()
 
+    @staticmethod
+    def _size(frame: Frame) -> int:
+        return len(frame.head) + len(frame.payload)
+
     def send(self, frame: Frame, *, droppable: bool = True, latest_only: bool = False) -> bool:
-        data = frame.encode()
+        size = self._size(frame)
         with self.cond:
             if latest_only:
-                for i, (queued, qdata) in enumerate(self.queue):
+                for i, queued in enumerate(self.queue):
                     if queued.kind == frame.kind:
-                        self.queued_bytes -= len(qdata)
+                        self.queued_bytes -= self._size(queued)
                         del self.queue[i]
                         self.stats.add(dropped=1)
                         break
-            if droppable and self.queued_bytes + len(data) > self.max_queue_bytes:
+            if droppable and self.queued_bytes + size > self.max_queue_bytes:
                 self.stats.add(dropped=1)
                 return False
-            self.queue.append((frame, data))
-            self.queued_bytes += len(data)
+            self.queue.append(frame)
+            self.queued_bytes += size
             self.cond.notify()
         return True
 
-    def _connect(self) -> socket.socket | None:
+    def _connect(self) -> tuple[socket.socket, Session] | None:
         backoff = 0.05
         while not self.stop.is_set():
+            s = None
             try:
-                s = socket.create_connection(self.address, timeout=2.0)
-                s.settimeout(10.0)      # a receiver that stops reading for this long is dropped
+                s = socket.create_connection(self.address, timeout=HANDSHAKE_TIMEOUT_S)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return s
-            except OSError:
+                session = client_handshake(s, self.ident, self.rank, self.peer_rank)
+                s.settimeout(10.0)      # a receiver that stops reading for this long is dropped
+                return s, session
+            except OSError:             # AuthError too: a foreign listener gets nothing
+                if s is not None:
+                    s.close()
+                self.stats.add(connect_failed=1)
                 self._drop_queued()     # nobody to deliver to: what is queued is stale by the next try
                 self.stop.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
@@ -152,6 +161,16 @@ class Link:
             self.queue.clear()
             self.queued_bytes = 0
 
+    def _write(self, frame: Frame) -> None:
+        assert self.sock is not None and self.session is not None
+        head, tag_p = self.session.seal(frame.kind, frame.head, bytes(frame.payload))
+        if len(frame.payload) < CHUNK:
+            self.sock.sendall(head + frame.payload + tag_p)
+        else:                          # no copy of a large payload
+            self.sock.sendall(head)
+            self.sock.sendall(frame.payload)
+            self.sock.sendall(tag_p)
+
     def _run(self) -> None:
         while not self.stop.is_set():
             with self.cond:
@@ -159,22 +178,24 @@ class Link:
                     self.cond.wait(0.5)
                 if self.stop.is_set():
                     break
-                frame, data = self.queue.popleft()
-                self.queued_bytes -= len(data)
+                frame = self.queue.popleft()
+                size = self._size(frame)
+                self.queued_bytes -= size
                 self.writing = True
             if self.sock is None:
-                self.sock = self._connect()
-                if self.sock is None:
+                got = self._connect()
+                if got is None:
                     break
-            if not self.bucket.take(len(data), self.stop):
+                self.sock, self.session = got
+            if not self.bucket.take(size, self.stop):
                 break
             try:
-                self.sock.sendall(data)
-                self.stats.add(sent=1, sent_bytes=len(data))
+                self._write(frame)
+                self.stats.add(sent=1, sent_bytes=size)
             except OSError:
                 self.stats.add(dropped=1)
                 self.sock.close()
-                self.sock = None
+                self.sock = self.session = None
             with self.cond:
                 self.writing = False
                 self.cond.notify_all()
@@ -191,70 +212,3 @@ class Link:
         self.thread.join(timeout=2.0)
         if self.sock is not None:
             self.sock.close()
-
-
-class Stats:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def add(self, **kw: int) -> None:
-        with self.lock:
-            self.counts.update(kw)
-
-    def snapshot(self) -> dict[str, int]:
-        with self.lock:
-            return dict(self.counts)
-
-
-class Server:
-    """Accepts peers' connections on `bind`; each frame goes to `handler(frame)`."""
-
-    def __init__(self, bind: tuple[str, int], handler: Callable[[Frame], None], stats: Stats) -> None:
-        self.handler, self.stats = handler, stats
-        self.sock = socket.create_server(bind, reuse_port=False)
-        self.sock.settimeout(0.5)
-        self.stop = threading.Event()
-        self.conns: list[socket.socket] = []
-        self.thread = threading.Thread(target=self._accept, name="drafter-server", daemon=True)
-        self.thread.start()
-
-    @property
-    def port(self) -> int:
-        return int(self.sock.getsockname()[1])
-
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn.settimeout(None)
-            self.conns.append(conn)
-            threading.Thread(target=self._read, args=(conn,), name="drafter-reader", daemon=True).start()
-
-    def _read(self, conn: socket.socket) -> None:
-        try:
-            while not self.stop.is_set():
-                frame = read_frame(conn)
-                if frame is None:
-                    return
-                self.stats.add(received=1, received_bytes=len(frame.payload))
-                self.handler(frame)
-        except (OSError, ConnectionError, ValueError):
-            return          # a broken or foreign peer: its frames stop here, nothing else does
-        finally:
-            conn.close()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.sock.close()
-        for c in self.conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            c.close()
-        self.thread.join(timeout=2.0)

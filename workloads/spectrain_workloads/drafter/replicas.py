@@ -73,6 +73,7 @@ class Replicas:
     def start(self, model: torch.nn.Module, samples_trained: int, version: int) -> None:
         """The trainer exists (fresh or resumed): track its parameters, ask for the newest version."""
         self.sync = ModelSync(model)
+        self.fleet.expect(self.sync.params)           # what peers' weights and samples are checked against
         self.samples_at_contribution = samples_trained
         self.version = version if self.fleet.is_coordinator else 0
         self.fleet.hello()
@@ -102,7 +103,11 @@ class Replicas:
                 fleet.contribute(seq, params, self.work_total_s, self.samples_total)
         c = fleet.take_combined()
         if c is not None and not fleet.is_coordinator and c.version > self.version:
-            self._apply(c)
+            if fleet.accept_update(c.params, self.sync.params):
+                self._apply(c)
+            else:
+                fleet.refused_version(self.version)     # the coordinator's real versions are not held back
+        fleet.resync()
         return made
 
     def final_round(self, samples_trained: int, next_version: int) -> Combined | None:
@@ -133,13 +138,15 @@ class Replicas:
 
     def summary(self) -> dict[str, Any]:
         st = self.fleet.stats.snapshot()
+        rejected = dict(sorted(self.fleet.stats.rejected().items()))
         return {"fleetRole": "coordinator" if self.fleet.is_coordinator else "member",
                 "combinedVersion": self.version, "combinedWorkSeconds": self.work_s, "combinedSamples": self.samples,
                 "exportWorkSecondsByRank": {str(r): w for r, w in sorted(self.export_work_by_rank.items())},
                 "exportSamplesByRank": {str(r): n for r, n in sorted(self.export_samples_by_rank.items())},
                 "samplesShared": st.get("samples_shared", 0), "samplesFromPeers": st.get("samples_received", 0),
                 "exchangeBytesSent": st.get("sent_bytes", 0), "exchangeBytesReceived": st.get("received_bytes", 0),
-                "exchangeFramesDropped": st.get("dropped", 0) + st.get("inbox_dropped", 0)}
+                "exchangeFramesDropped": st.get("dropped", 0) + st.get("inbox_dropped", 0),
+                "exchangeRejected": sum(rejected.values()), "exchangeRejectedByCause": rejected}
 
 
 __all__ = ["FINAL_ROUND_S", "ModelSync", "Replicas"]

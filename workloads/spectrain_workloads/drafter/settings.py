@@ -50,6 +50,9 @@ class DrafterSettings:
     verify_every_s: float = 5.0
     checkpoint_every_s: float = 30.0
     keep_checkpoints: int = 3
+    # the exporting rank's gate: a candidate version's acceptance length on held-back samples must be at
+    # least this fraction of the last exported version's (0: finite weights are enough)
+    export_acceptance_floor: float = 0.9
     heartbeat_every_s: float = 0.5
     seed: int = 0
 
@@ -83,6 +86,9 @@ class DrafterSettings:
                      "seq_cap", "eval_every", "eval_samples", "verify_k", "verify_batch", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"drafter setting {name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.export_acceptance_floor < 100:
+            raise ConfigError("drafter setting export_acceptance_floor must be in [0, 100), "
+                              f"got {self.export_acceptance_floor}")
         if self.seq_cap < 4:
             raise ConfigError(f"drafter setting seq_cap must be >= 4, got {self.seq_cap}")
         for name in ("buffer_mb", "verify_every_s", "checkpoint_every_s", "heartbeat_every_s"):

@@ -7,10 +7,27 @@ as it arrives (a window that opens right after the step's data must not wait for
 event to see it), and again whenever the buffer runs dry inside a window. Between windows: the
 housekeeping (heartbeat on the back channel, summary, checkpoints, picking
 up the target's rewritten embedding/head). The worker only reads target state.
+
+Exports (the exporting rank): a checkpoint is a *candidate* export. It is exported only once its
+weights are finite and its acceptance length on the held-back samples (SampleBuffer's eval set, never
+trained on) is at least `export_acceptance_floor` x the last exported version's. The measurement is
+a verification round like the periodic ones, run chunk by chunk in idle windows (at shutdown, when
+the target is done, at once); meanwhile the weights stay those of the candidate: no optimizer step,
+no combining round and no re-measurement of costs until it is decided (micro-steps go on, their
+gradients accumulate). Without held-back samples yet (the first versions) the finite check alone
+decides. A rejected candidate is logged (`export_rejected`) and counted (`exportsRejected`).
+Export versions are checkpoint versions, and on the exporting rank those start above the export
+root's high-water mark (export.export_high_water): a restart that lost its checkpoints never
+reuses a number, and the fleet's combined versions (the coordinator's) move forward with them.
+
+Disabled by the operator (`control`, sidecar.DrafterControl): checked at most every CONTROL_EVERY_S
+in the loops; the worker then drops its work, model, optimizer and samples, says Disabled on the
+back channel and in the summary, closes the ring and the fleet, and idles until stopped.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -45,6 +62,7 @@ from spectrain_workloads.drafter.models import TargetShared, load_target_shared,
 from spectrain_workloads.drafter.replicas import Replicas
 from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.drafter.train import DrafterTrainer
+from spectrain_workloads.drafter.verify import Acceptance
 
 ALWAYS_SLICE_NS = 50_000_000     # policy Always: return to housekeeping this often
 # A unit of work measured while the machine was busy can exceed every window, and the drafter then
@@ -60,6 +78,9 @@ WAIT_S = 0.05                    # longest block on the ring between housekeepin
 # Window events can arrive faster than WAIT_S (dozens per second on a pipeline): housekeeping
 # (the fleet's rounds, checkpoints, heartbeats) is put off for a window at most this long.
 HOUSEKEEPING_GAP_S = 0.25
+# A candidate export not measured within this long (no idle window fit a verification chunk) is given
+# up, counted with the rejected ones, and its weights move on: the freeze it imposes stays bounded.
+GATE_WAIT_S = 10.0
 
 
 def _tensor(arr: np.ndarray, dtype: str | None) -> torch.Tensor:
@@ -78,7 +99,8 @@ def _prewarm() -> None:
 class Worker:
     def __init__(self, *, settings: DrafterSettings, rank: int, ring_path: Path, run_dir: Path,
                  export_dir: Path | None, device: torch.device, stop: threading.Event,
-                 memory_cap_bytes: int | None = None, ring_wait_s: float = 1.0, fleet: Fleet | None = None) -> None:
+                 memory_cap_bytes: int | None = None, ring_wait_s: float = 1.0, fleet: Fleet | None = None,
+                 control: Any = None) -> None:
         self.s, self.rank, self.ring_path, self.run_dir = settings, rank, ring_path, run_dir
         self.export_dir, self.device, self.stop = export_dir, device, stop
         self.memory_cap_bytes = memory_cap_bytes
@@ -112,21 +134,40 @@ class Worker:
         self._last_work = time.monotonic()
         self._remeasure_s = REMEASURE_AFTER_S
         self._due_since: float | None = None       # since when a measurement is due (data, no window yet)
+        self.control = control               # sidecar.DrafterControl: has the operator disabled this drafter?
+        self.disabled_by_operator = False
+        self._fleet_summary: dict[str, Any] = {}
+        # the export gate (exporting rank): the checkpoint waiting for its verdict, the last exported
+        # version's acceptance length (the reference of the floor), rejections
+        self.candidate: dict[str, Any] | None = None
+        self.reference: float | None = None
+        self.reference_stderr = 0.0
+        self.exported_version = 0
+        self.exports_rejected = 0
+        self.export_rejected_reason = ""
+        self._finishing = False              # shutdown: the target is done, gate verifications run at once
+        if export_dir is not None:
+            last = ex.latest_export_meta(export_dir) or {}
+            self.exported_version = int(last.get("version", 0))
+            gate = last.get("gate") or {}
+            self.reference, self.reference_stderr = gate.get("acceptance_length"), float(gate.get("stderr") or 0.0)
 
     # ------------------------------------------------------------ lifecycle
     def run(self) -> int:
         try:
             self._set_state(self.state, self.reason)
+            if self._disabled():
+                return self._idle()
             if self.s.policy != "Off":
                 _prewarm()
-            if not self._open_ring():
-                return 0
-            if self.s.policy != "Off" and not self._setup_trainer():
-                return 0
-            while not self.stop.is_set():
+            if not self._open_ring() or (self.s.policy != "Off" and not self._setup_trainer()):
+                return self._idle() if self.disabled_by_operator else 0
+            while not self.stop.is_set() and not self._disabled():
                 if self.trainer is not None and self._measure_due() and self._measure_now():
                     self._measure(self.trainer)
                 did = self._work() if self.calibrated else False
+                if self.disabled_by_operator:
+                    break
                 if did:
                     self._last_work, self._remeasure_s = time.monotonic(), REMEASURE_AFTER_S
                 if not did:
@@ -139,13 +180,59 @@ class Worker:
                         continue   # work (or a measurement) may start now: straight to it, housekeeping later
                 self._drain_data()
                 self._housekeeping()
-            return 0
+            return self._idle() if self.disabled_by_operator else 0
         finally:
             self._shutdown()
 
+    # ------------------------------------------------------------ disabled in place
+    def _disabled(self) -> bool:
+        """Has the operator disabled this drafter? (At most a stat and a read every CONTROL_EVERY_S.)
+        The first time: drop everything at once (`_disable`)."""
+        if not self.disabled_by_operator and self.control is not None and self.control.disabled():
+            self._disable()
+        return self.disabled_by_operator
+
+    def _disable(self) -> None:
+        from spectrain_workloads.drafter.sidecar import REASON_DISABLED
+
+        self.disabled_by_operator = True
+        self._set_state("Disabled", REASON_DISABLED)
+        self.metrics.log("disabled", by="operator", optimizer_steps=self.combiner.optimizer_steps)
+        print(f"spectrain-drafter: rank {self.rank} disabled by the operator; idle until stopped", flush=True)
+        if self.consumer is not None:
+            self._publish()                  # the last word on the back channel, then the ring is let go
+            self.consumer.close()
+            self.consumer = None
+        if self.fleet is not None:
+            self.fleet.close()               # out of the exchange: peers go on without this rank
+        if self.replicas is not None:        # it holds the model's parameters: keep only its figures
+            self._fleet_summary = self.replicas.summary()
+            self.replicas = None
+        self.candidate = None
+        self.trainer = None                  # model, optimizer, gradients, the target's frozen copies
+        self.buffer = SampleBuffer(max_bytes=1, max_reuse=1, eval_every=1, eval_samples=1)
+        gc.collect()
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()         # hand the memory back to the target's process
+        self._summary(flush=True)
+
+    def _idle(self) -> int:
+        """Disabled: stay up (a native sidecar that exits is restarted) and touch nothing until stopped."""
+        self._summary(flush=True)
+        while not self.stop.wait(1.0):
+            pass
+        return 0
+
     def _shutdown(self) -> None:
         """SIGTERM (or end): flush a checkpoint if anything was learnt since the last one."""
+        if self.disabled_by_operator:
+            self._summary(flush=True)
+            self.metrics.close()
+            return
+        self._finishing = True
         try:
+            if self.candidate is not None:
+                self._gate_now()
             if self.consumer is not None:
                 # end records already in the ring: account those windows rather than log their
                 # work as unwindowed
@@ -160,7 +247,8 @@ class Worker:
                     self._checkpoint("combined")          # the coordinator exports the last version
             if self.trainer is not None and self.combiner.optimizer_steps > self.steps_at_ckpt:
                 self._checkpoint("shutdown")
-            if self.export_dir is not None and self.version == 0 and self.s.policy != "Off":
+            if (self.export_dir is not None and self.version == 0 and self.s.policy != "Off"
+                    and ex.export_high_water(self.export_dir) == 0):
                 # The job ended before anything was exported (a run shorter than the drafter's start):
                 # export what there is, the initial drafter at worst, so every job leaves a drafter
                 # that loads for its target (speculation with it stays lossless).
@@ -181,7 +269,7 @@ class Worker:
     def _open_ring(self) -> bool:
         from spectrain_workloads.ring import RingConsumer, RingError, RingVersionError
 
-        while not self.stop.is_set():
+        while not self.stop.is_set() and not self._disabled():
             try:
                 # "oldest": windows still in the ring seed the per-kind history, data trains
                 self.consumer = RingConsumer.open(self.ring_path, timeout_s=self.ring_wait_s, start="oldest")
@@ -196,13 +284,13 @@ class Worker:
         """Wait for the target's shared weights (pumping the ring meanwhile), build, resume, measure."""
         self._set_state("Waiting", "NoTargetWeights")
         shared = None
-        while shared is None and not self.stop.is_set():
+        while shared is None and not self.stop.is_set() and not self._disabled():
             shared = load_target_shared(self.run_dir)
             if shared is None:
                 self._on_events(self.consumer.wait_windows(timeout_s=0.2))
                 self._drain_data()
                 self._housekeeping()
-        if shared is None:
+        if shared is None or self.disabled_by_operator:
             return False
         self._build_trainer(shared)
         self._set_state("Waiting", "NoData" if not self.buffer.trainable() else "NoWindow")
@@ -223,13 +311,21 @@ class Worker:
             self.metrics.load_state_dict(resumed.get("metrics", {}))
             self.steps_at_ckpt = self.combiner.optimizer_steps
             self.artifact = resumed.get("artifact", "")
+        if self.export_dir is not None:
+            # never a number an export (of this or an earlier incarnation) already used
+            self.version = max(self.version, ex.export_high_water(self.export_dir))
         self.trainer = trainer
         if self.replicas is not None:
             self.replicas.start(trainer.model, self.combiner.samples_trained, self.version)
-        self.metrics.log("setup", resumed_version=resumed and self.version, setup_ns=time.monotonic_ns() - t0)
+        self.metrics.log("setup", resumed_version=resumed and int(resumed["version"]), version=self.version,
+                         setup_ns=time.monotonic_ns() - t0)
 
     def _measure_due(self) -> bool:
-        """Never measured, or idle with data for longer than the back-off (see REMEASURE_AFTER_S)."""
+        """Never measured, or idle with data for longer than the back-off (see REMEASURE_AFTER_S); while a
+        candidate export waits for its verdict only the first measurement (a re-measurement applies the
+        accumulated gradients, which would change the candidate's weights)."""
+        if self.candidate is not None:
+            return not self.calibrated
         return not self.calibrated or time.monotonic() - self._last_work > self._remeasure_s
 
     def _measure(self, trainer: DrafterTrainer) -> None:
@@ -277,6 +373,8 @@ class Worker:
             if i:
                 self.cost.observe(VERIFY_KEY, time.monotonic_ns() - t0)
         trainer.verifier.last, trainer.verifier.rounds = None, 0
+        if self.candidate is not None and "result" not in self.candidate:
+            trainer.begin_verify(self.buffer.eval_batch())   # the candidate's round, which this one replaced
         self.calibrated, self._due_since = True, None
         self.ready_ns = time.monotonic_ns()
         self.metrics.log("calibrated", length=length, unit_ns=self.gate.unit_ns(), start_ns=begin,
@@ -362,7 +460,9 @@ class Worker:
         (the order and the rules: gating.pick_task)."""
         tr = self.trainer
         assert tr is not None
-        optim = ("optim", OPTIM_KEY, self.cost.estimate(OPTIM_KEY), 0) if self.combiner.accumulated > 0 else None
+        # while a candidate export is measured its weights must stay: no optimizer step
+        optim = (("optim", OPTIM_KEY, self.cost.estimate(OPTIM_KEY), 0)
+                 if self.combiner.accumulated > 0 and self.candidate is None else None)
         due = time.monotonic() - self._last_verify >= self.s.verify_every_s and self.buffer.eval_fresh() > 0
         verify = ("verify", VERIFY_KEY, self.cost.estimate(VERIFY_KEY), 0) if tr.verifier.in_progress or due else None
         plan = self.combiner.plan(budget.remaining_ns, self.buffer.trainable())
@@ -377,7 +477,7 @@ class Worker:
         if self.s.policy == "IdleOnly" and not self.tracker.open:
             return False
         entered, started, did = time.monotonic_ns(), set(), False
-        while not self.stop.is_set():
+        while not self.stop.is_set() and not self._disabled():
             self._on_events(self.consumer.poll_windows())   # the end record stops us here
             now = time.monotonic_ns()
             budget = self.gate.budget(now)
@@ -408,6 +508,8 @@ class Worker:
                 result = tr.verify_chunk()
                 if result is not None:
                     self._acceptance(result.to_dict())
+                    if self.candidate is not None:
+                        self.candidate["result"] = result   # exported between windows (housekeeping)
             t1 = time.monotonic_ns()
             self.cost.observe(key, t1 - t0)
             if name != "verify" and self.replicas is not None:
@@ -435,6 +537,8 @@ class Worker:
         return False
 
     def _housekeeping(self) -> None:
+        if self._disabled():
+            return
         self._last["housekeeping"] = time.monotonic()
         now = time.monotonic_ns()
         for w in self.tracker.expire(now):
@@ -448,6 +552,15 @@ class Worker:
         self._summary_every(1.0)
         if self.trainer is None:
             return
+        if self.candidate is not None and "result" in self.candidate:
+            self._decide(self.candidate["result"])
+        if self.candidate is not None:
+            if time.monotonic() - self.candidate["since"] > GATE_WAIT_S:
+                self._reject(f"not measured within {GATE_WAIT_S:g} s: no idle window fit a verification chunk",
+                             {"acceptance_length": None, "reference": self.reference,
+                              "reference_stderr": self.reference_stderr, "floor": self.s.export_acceptance_floor,
+                              "held_back_chunks": len(self.buffer.eval)})
+            return      # the candidate's weights stay until its verdict: no round, no checkpoint
         if self._due("target", 2.0):
             stamp = shared_stamp(self.run_dir)
             if stamp is not None and stamp != self._stamp:
@@ -480,8 +593,6 @@ class Worker:
                 "target_model_config": tr.target_cfg.to_dict(), "samples_trained": self.combiner.samples_trained,
                 "optimizer_steps": self.combiner.optimizer_steps, "acceptance": self.metrics.acceptance,
                 "loss_weights": {"hidden": self.s.hidden_loss_weight, "ce": self.s.ce_loss_weight}}
-        if self.export_dir is not None:
-            self.artifact = str(ex.export_drafter(self.export_dir, self.version, tr.model, meta))
         state = {"settings": self.s.to_dict(), "combiner": self.combiner.state_dict(),
                  "cost": self.cost.state_dict(), "tracker": self.tracker.state_dict(),
                  "metrics": self.metrics.state_dict(), "artifact": self.artifact, **tr.state_dict(), **meta}
@@ -490,7 +601,71 @@ class Worker:
         self.steps_at_ckpt = self.combiner.optimizer_steps
         self.metrics.log("checkpoint", version=self.version, path=str(path), artifact=self.artifact, why=why,
                          write_ns=time.monotonic_ns() - t0, optimizer_steps=self.combiner.optimizer_steps)
+        if self.export_dir is not None:
+            self._propose(why, meta)
         self._publish()
+
+    # ------------------------------------------------------------ the export gate (exporting rank)
+    def _propose(self, why: str, meta: dict[str, Any]) -> None:
+        """The checkpoint just written is a candidate export: measure it on the held-back samples (in
+        idle windows; at shutdown at once), or with none held back yet, decide on finiteness alone."""
+        tr = self.trainer
+        assert tr is not None
+        self.candidate = {"version": self.version, "why": why, "meta": meta, "since": time.monotonic()}
+        held_back = self.buffer.eval_batch()
+        if not held_back:
+            self._decide(None)
+            return
+        tr.begin_verify(held_back)          # a periodic round in progress measured earlier weights
+        self._last_verify = time.monotonic()
+        if self._finishing:
+            self._gate_now()
+
+    def _gate_now(self) -> None:
+        """Finish the candidate's verification round here (the target is done: no window to wait for)."""
+        tr = self.trainer
+        assert tr is not None and self.candidate is not None
+        result = self.candidate.get("result")          # measured in a window, not yet decided
+        while result is None and tr.verifier.in_progress:
+            result = tr.verify_chunk()
+            if result is not None:
+                self._acceptance(result.to_dict())
+        self._decide(result)
+
+    def _decide(self, result: Acceptance | None) -> None:
+        """Export the candidate (measured: `result`), or count and log why not."""
+        tr, c = self.trainer, self.candidate
+        assert tr is not None and c is not None and self.export_dir is not None
+        floor = self.s.export_acceptance_floor
+        acceptance = None if result is None else result.acceptance_length
+        stderr = 0.0 if result is None else ex.acceptance_stderr(result.per_depth, result.chains)
+        gate = {"acceptance_length": acceptance, "stderr": stderr, "reference": self.reference,
+                "reference_stderr": self.reference_stderr, "floor": floor, "held_back_chunks": len(self.buffer.eval)}
+        reason = ex.acceptance_verdict(acceptance, self.reference, floor, stderr=stderr,
+                                       reference_stderr=self.reference_stderr)
+        if reason is None:
+            meta = {**c["meta"], "acceptance": self.metrics.acceptance, "gate": gate}
+            try:
+                path = ex.export_drafter(self.export_dir, c["version"], tr.model, meta)
+            except ex.ExportRefused as exc:
+                reason = str(exc)
+            else:
+                self.candidate = None
+                self.artifact, self.exported_version = str(path), c["version"]
+                if acceptance is not None:
+                    self.reference, self.reference_stderr = acceptance, stderr
+                self.metrics.log("export", version=c["version"], path=self.artifact, why=c["why"], **gate)
+                return
+        self._reject(reason, gate)
+
+    def _reject(self, reason: str, gate: dict[str, Any]) -> None:
+        c = self.candidate
+        assert c is not None
+        self.candidate = None
+        self.exports_rejected += 1
+        self.export_rejected_reason = reason
+        self.metrics.log("export_rejected", version=c["version"], why=c["why"], reason=reason, **gate)
+        print(f"spectrain-drafter: rank {self.rank}: version {c['version']} not exported: {reason}", flush=True)
 
     # ------------------------------------------------------------ reporting
     def _set_state(self, state: str, reason: str) -> None:
@@ -520,8 +695,10 @@ class Worker:
             "artifact": self.artifact, "arch": self.s.arch, "policy": self.s.policy,
             "unitMs": None if unit is None else unit / 1e6, "costsMs": costs,
             "samplesTrained": self.combiner.samples_trained, "optimizerSteps": self.combiner.optimizer_steps,
+            "exportedVersion": self.exported_version, "exportsRejected": self.exports_rejected,
+            "exportRejectedReason": self.export_rejected_reason,
             "microSteps": self.combiner.micro_steps, "dataReceived": self.data_seen,
-            **(self.replicas.summary() if self.replicas is not None else {}),
+            **(self.replicas.summary() if self.replicas is not None else self._fleet_summary),
             "dataDropped": getattr(self.consumer, "data_dropped", 0),
             "windowsMissed": getattr(self.consumer, "windows_missed", 0),
             "mpsActiveThreadPercentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
