@@ -20,7 +20,8 @@ batch stays full). For each temperature (0: greedy keys; 1: the `_t1` keys) and 
 adaptive (Bandit, batchThreshold 32, maxDraftTokens 8) engines are warmed up once (the controller learns
 its cost table there, as a long-running engine does), then run as `reps` interleaved pairs in ABBA
 order; speedup = median over pairs of plain time / adaptive time (robust to the load of a shared
-machine). acceptance_length(_t1): tokens per row-verification at batch 1 (median over repetitions).
+machine); min_cpu_speedup(_t1) and detail.*.cpu_speedup: the same from the process's CPU time (one torch
+thread), which leaves out the waits for a core that a loaded machine adds to wall time. acceptance_length(_t1): tokens per row-verification at batch 1 (median over repetitions).
 Greedy: speculative output == plain output is asserted (CPU). Temperature 1: the two engines sample
 different (equally distributed: tests/unit/test_specdec.py) rows; distinct_4gram_fraction_t1 (mean over
 the generated rows of distinct 4-grams / 4-grams; ~1: no repetition) shows that the sampled text does not
@@ -225,16 +226,21 @@ def measure(target: Transformer, drafter: Transformer, corpus: torch.Tensor, *, 
             extra["rows_identical"] += sum(a == b for a, b in zip(out.sequences, ref.sequences, strict=True))
         extra["responses"] += ref.responses + out.responses
         tp, ts, acc, ks = [], [], [], []
+        cpu: dict[str, list[float]] = {"plain": [], "spec": []}   # process CPU seconds per run (1 torch thread)
         for i in range(reps):                                   # pairs in ABBA order: drift cancels
             for which in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
+                c0 = time.process_time()
                 if which == "plain":
                     tp.append(plain.generate(prompts).stats.seconds)
+                    cpu["plain"].append(time.process_time() - c0)
                     continue
                 r = spec.generate(prompts)
+                cpu["spec"].append(time.process_time() - c0)
                 ts.append(r.stats.seconds)
                 acc.append(r.stats.acceptance_length)
                 ks.extend(k for _, _, k in r.stats.trace)
         ratios = [p / q for p, q in zip(tp, ts, strict=True)]
+        cpu_ratios = [p / q for p, q in zip(cpu["plain"], cpu["spec"], strict=True)]
         results[f"speedup_bs{bs}{suffix}"] = median(ratios)
         if bs == 1:
             results[f"acceptance_length{suffix}"] = median(acc)
@@ -242,10 +248,12 @@ def measure(target: Transformer, drafter: Transformer, corpus: torch.Tensor, *, 
         extra["graphs"] += sum(len(e.graphs.graphs) for e in (plain, spec) if e.graphs is not None)
         detail[f"bs{bs}{suffix}"] = {"plain_ms": median(tp) * 1e3, "adaptive_ms": median(ts) * 1e3,
                                      "acceptance_length": median(acc), "draft_lengths_used": used,
-                                     "pair_speedups": [round(r, 3) for r in ratios]}   # the spread: this machine's noise
+                                     "pair_speedups": [round(r, 3) for r in ratios],   # the spread: this machine's noise
+                                     "cpu_speedup": median(cpu_ratios), "pair_cpu_speedups": [round(r, 3) for r in cpu_ratios]}
         print(f"bs{bs}{suffix}: plain {median(tp) * 1e3:.1f} ms, adaptive {median(ts) * 1e3:.1f} ms, "
               f"acceptance {median(acc):.2f}, draft length: steps {used}", flush=True)
     results[f"min_speedup{suffix}"] = min(results[f"speedup_bs{b}{suffix}"] for b in BATCHES)
+    results[f"min_cpu_speedup{suffix}"] = min(detail[f"bs{b}{suffix}"]["cpu_speedup"] for b in BATCHES)
     return results, detail, extra
 
 

@@ -134,7 +134,10 @@ def test_export_conforms_and_generate_matches_transformers_greedy(trained: dict[
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert set(out) == {"completions", "acceptance_length", "tokens_per_s", "speedup_vs_plain"}
+    assert set(out) == {"completions", "acceptance_length", "tokens_per_s", "k_histogram", "plain_share",
+                        "speedup_vs_plain", "speedup_spread", "compare_pairs"}
+    assert sum(out["k_histogram"].values()) > 0 and 0.0 <= out["plain_share"] <= 1.0
+    assert out["speedup_spread"][0] <= out["speedup_vs_plain"] <= out["speedup_spread"][1]
     tok = AutoTokenizer.from_pretrained(str(target))
     model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
     ids = torch.tensor([tok(prompt).input_ids])

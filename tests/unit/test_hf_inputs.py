@@ -133,9 +133,7 @@ def test_generate_refuses_a_drafter_of_another_model(llama: Path, tmp_path: Path
     other = build_model(tmp_path / "wide", "LlamaForCausalLM", layers=2, vocab=384)
     drafter = HFEagleDrafter(json.loads((other / "config.json").read_text()))
     export_drafter(tmp_path / "export", 1, drafter, {})
-    args = argparse.Namespace(model=str(llama), drafter=str(tmp_path / "export"), prompt="x = 1", prompts=None,
-                              max_new_tokens=4, temperature=0.0, seed=0, draft_tokens=2, compare=False, json=True,
-                              device="cpu", dtype="auto")
+    args = _gen_args(llama, tmp_path / "export")
     with pytest.raises(ConfigError, match=r"--drafter .*trained for another model \(vocab size 384 vs the "
                                           r"target's 512\)"):
         generate.generate(args)
@@ -209,9 +207,15 @@ def test_rl_needs_an_eos_token() -> None:
 
 
 def _gen_args(model: Path, drafter: Path, **over: object) -> argparse.Namespace:
-    base = dict(model=str(model), drafter=str(drafter), prompt="x = 1", prompts=None, max_new_tokens=4,
-                temperature=0.0, seed=0, draft_tokens=2, compare=False, json=True, device="cpu", dtype="auto")
-    return argparse.Namespace(**{**base, **over})
+    """The CLI's own parser, so every default `spectrain generate` has is there."""
+    from spectrain_workloads.generate import add_arguments
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--model", str(model), "--drafter", str(drafter), "--prompt", "x = 1",
+                         "--max-new-tokens", "4", "--draft-tokens", "2", "--json", "--device", "cpu"])
+    for k, v in over.items():
+        setattr(args, k, v)
+    return args
 
 
 def test_generate_argument_errors_name_the_flag(llama: Path, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 from spectrain_workloads.drafter.hf_eagle import HFEagleDrafter
 from spectrain_workloads.hf.stage import HFStage
 from spectrain_workloads.model import causal_decode_mask
-from spectrain_workloads.rl.rollout import RolloutConfig, RolloutEngine
+from spectrain_workloads.rl.rollout import DraftController, RolloutConfig, RolloutEngine
 from spectrain_workloads.rl.specdec import Sampling, to_probs
 from tests.unit.test_specdec import always_accept, chi2_pvalue
 
@@ -58,10 +58,24 @@ def exact(s: Sampling) -> torch.Tensor:
     return p.gather(-1, seqs[:, len(PROMPT):, None])[..., 0].prod(-1)
 
 
-def sample_counts(s: Sampling, k: int, rule=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+class Scripted(DraftController):
+    """The Bandit controller's engine paths with a fixed sequence of draft lengths per step (0: plain)."""
+
+    def __init__(self, pattern: list[int]) -> None:
+        super().__init__(max_draft=max(pattern), batch_threshold=N, strategy="Bandit")
+        self.pattern, self.i = pattern, 0
+
+    def choose(self, bucket: int, n_active: int, can_draft: bool, horizon: object = None) -> int:
+        self.i += 1
+        return self.pattern[(self.i - 1) % len(self.pattern)] if can_draft else 0
+
+
+def sample_counts(s: Sampling, k: int, rule=None, pattern: list[int] | None = None) -> torch.Tensor:  # type: ignore[no-untyped-def]
     cfg = RolloutConfig(max_new_tokens=NEW, temperature=s.temperature, top_p=s.top_p, eos_id=None,
-                        max_draft_tokens=k, batch_threshold=N, strategy="Fixed", seed=123)
+                        max_draft_tokens=k, batch_threshold=N, strategy="Bandit" if pattern else "Fixed", seed=123)
     eng = RolloutEngine(TARGET, cfg, DRAFTER, **({"rule": rule} if rule else {}))
+    if pattern:
+        eng.controller = Scripted(pattern)
     res = eng.generate([PROMPT] * N)
     assert res.stats.spec_steps > 0
     idx = torch.tensor([sum(t * V ** (NEW - 1 - i) for i, t in enumerate(r)) for r in res.responses])
@@ -73,6 +87,13 @@ def test_speculative_sampling_on_an_hf_target_matches_its_distribution() -> None
     probs = exact(s)
     assert chi2_pvalue(sample_counts(s, 2), probs) > 1e-3
     assert chi2_pvalue(sample_counts(s, 2, rule=always_accept), probs) < 1e-6   # the test has power
+
+
+@pytest.mark.parametrize("pattern", [[0, 2], [1, 0, 1]])
+def test_switching_between_plain_and_speculative_steps_stays_lossless(pattern: list[int]) -> None:
+    """The adaptive engine's paths: calibration, plain steps, the drafter's catch-up after them."""
+    s = Sampling(temperature=1.0)
+    assert chi2_pvalue(sample_counts(s, 2, pattern=pattern), exact(s)) > 1e-3
 
 
 def test_cached_decode_of_an_hf_stage_is_transformers_forward() -> None:

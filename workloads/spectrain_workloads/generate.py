@@ -1,17 +1,24 @@
 """`spectrain generate`: lossless speculative decoding with an HF target and an exported drafter.
 
     spectrain generate --model DIR --drafter DIR (--prompt TEXT | --prompts FILE)
-        [--max-new-tokens N] [--temperature T] [--seed S] [--draft-tokens K] [--compare] [--json]
-        [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16]
+        [--max-new-tokens N] [--temperature T] [--seed S] [--draft-tokens K] [--compare [--repeats R]]
+        [--json] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16]
 
 The target is the model directory (a Hugging Face layout: the source of a job, or the trained
 $RUN_DIR/target/hf); the drafter is an export root ($SPECTRAIN_EXPORT_DIR, follows LATEST) or one
 of its v<N> directories. Decoding is the project's rollout engine (rl.rollout: static KV caches,
-rejection-sampling verification, the adaptive controller choosing 0..K drafted tokens per step),
-so the output distribution is the target's own: at
-temperature 0 the tokens are the target's greedy tokens (transformers' generate(do_sample=False)).
-Prompts are tokenized as transformers does (`tokenizer(text).input_ids`, specials included).
---compare decodes the same prompts without the drafter too and reports the speedup.
+rejection-sampling verification, the adaptive controller choosing 0..K drafted tokens per step
+from costs it measures on this device: k = 0 where drafting does not pay), so the output
+distribution is the target's own: at temperature 0 the tokens are the target's greedy tokens
+(transformers' generate(do_sample=False)). Prompts are tokenized as transformers does
+(`tokenizer(text).input_ids`, specials included). The output reports the controller's decisions:
+`k_histogram` (decode steps per draft length) and `plain_share` (the share of steps decoded plainly).
+
+--compare also decodes the same prompts without the drafter and reports the speedup fairly: after
+the shown run and one plain warm-up run (first-call costs, the controller's learning), R pairs of
+speculative and plain runs interleaved in ABBA order (drift on a busy machine cancels);
+speedup_vs_plain is the median over pairs of plain time / speculative time per generated token,
+with the pairs' spread (min, max).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -97,6 +105,22 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def compare(spec: Any, plain: Any, ids: list[list[int]], repeats: int) -> dict[str, Any]:
+    """Interleaved timing of two warmed-up RolloutEngines on the same prompts (see the module doc)."""
+    plain.generate(ids)                                           # warm-up; the speculative one was the shown run
+    ratios = []
+    for i in range(repeats):
+        secs: dict[str, float] = {}
+        for name in ("spec", "plain") if i % 2 == 0 else ("plain", "spec"):
+            eng = spec if name == "spec" else plain
+            t0 = time.perf_counter()
+            res = eng.generate(ids)
+            secs[name] = (time.perf_counter() - t0) / max(1, sum(len(r) for r in res.responses))   # per token
+        ratios.append(secs["plain"] / secs["spec"])
+    return {"speedup_vs_plain": statistics.median(ratios), "speedup_spread": [min(ratios), max(ratios)],
+            "compare_pairs": len(ratios)}
+
+
 def generate(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -106,6 +130,8 @@ def generate(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
         raise ConfigError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     prompts = _prompts(args)
     device, dtype = placement(args.device, args.dtype)
     torch.manual_seed(args.seed)
@@ -135,13 +161,12 @@ def generate(args: argparse.Namespace) -> dict[str, Any]:
             "completions": [{"text": tok.decode(r), "token_ids": r} for r in res.responses],
             "acceptance_length": res.stats.acceptance_length,
             "tokens_per_s": tokens / spec_s,
+            "k_histogram": {str(k): n for k, n in res.stats.k_histogram.items()},
+            "plain_share": res.stats.plain_share,
         }
         if args.compare:
             plain = RolloutEngine(target, dataclasses.replace(cfg, speculative=False))
-            t0 = time.perf_counter()
-            base = plain.generate(ids)
-            plain_s = time.perf_counter() - t0
-            out["speedup_vs_plain"] = (tokens / spec_s) / (sum(len(r) for r in base.responses) / plain_s)
+            out.update(compare(engine, plain, ids, args.repeats))
     return out
 
 
@@ -155,7 +180,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-tokens", type=int, default=4,
                    help="most drafted tokens per verification (1..32); the adaptive controller picks 0..K per step")
-    p.add_argument("--compare", action="store_true", help="also decode without the drafter: speedup_vs_plain")
+    p.add_argument("--compare", action="store_true",
+                   help="also decode without the drafter: speedup_vs_plain (median of interleaved pairs, warm-up excluded)")
+    p.add_argument("--repeats", type=int, default=5, help="--compare: interleaved speculative/plain pairs (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16")
@@ -174,5 +201,13 @@ def main(args: argparse.Namespace) -> int:
         print(c["text"])
         print("---")
     figures = {k: v for k, v in out.items() if k != "completions"}
-    print("  ".join(f"{k} {v:.3g}" for k, v in figures.items()))
+    print("  ".join(f"{k} {_shown(v)}" for k, v in figures.items()))
     return 0
+
+
+def _shown(v: Any) -> str:
+    if isinstance(v, dict):
+        return ",".join(f"{k}:{_shown(x)}" for k, x in v.items())
+    if isinstance(v, list):
+        return "-".join(_shown(x) for x in v)
+    return f"{v:.3g}" if isinstance(v, float) else str(v)

@@ -10,7 +10,10 @@ From the RL keys of the target's step lines (rl/grpo.py StepResult.metrics, docs
   Without measured steps, a `spectrain run --baseline` run (drafter off: plain rollouts) gives the
   ratio of median step times instead, and the summary says which source it is;
 - acceptance of the continually trained drafter: tokens per verification in the rollouts
-  themselves (steps that speculated), first and last n steps, as the drafter kept training.
+  themselves (steps that speculated), first and last n steps, as the drafter kept training;
+- the draft-length controller's decisions (rl/controller.py): the share of decode steps decoded
+  plainly (k = 0), first and last n steps (it falls as the drafter learns to pay), and decode steps
+  per draft length summed over the run.
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ def rl_figures(ranks: dict[int, RankData], baseline: dict[int, RankData] | None 
     r_first, r_last, n = first_last(reward)
     acc = per_step(recs, "acceptance_length", where="spec_steps")
     a_first, a_last, _ = first_last(acc)
+    plain_share = per_step(recs, "plain_share")
+    p_first, p_last, _ = first_last(plain_share)
+    k_hist: dict[int, int] = {}
+    for s in recs:
+        for k, n in (s.get("k_histogram") or {}).items():
+            k_hist[int(k)] = k_hist.get(int(k), 0) + int(n)
     measured = [s for s in recs if _num(s.get("rl_step_speedup")) and _num(s.get("plain_rollout_s"))]
     # With vs without on the same steps: the speculative figures of measured steps only.
     sample = measured or recs
@@ -84,6 +93,8 @@ def rl_figures(ranks: dict[int, RankData], baseline: dict[int, RankData] | None 
         "rl_step_speedup_source": "side-by-side" if measured else None,
         "rl_step_speedup_steps": len(measured),
         "rollout_acceptance_first": a_first, "rollout_acceptance_last": a_last,
+        "rollout_plain_share_first": p_first, "rollout_plain_share_last": p_last,
+        "rollout_k_histogram": {str(k): n for k, n in sorted(k_hist.items())},
         "reward_by_step": {str(k): v for k, v in reward.items()},
         "rollout_acceptance_by_step": {str(k): v for k, v in acc.items()},
     }
@@ -99,7 +110,7 @@ def step_rows(ranks: dict[int, RankData], max_rows: int = 40) -> list[dict[str, 
     there are any (so every row has both columns), else all steps; of many, every k-th and the last."""
     recs = step_records(ranks)
     keys = ("reward", "rollout_s", "rollout_tokens_per_s", "plain_rollout_s", "plain_rollout_tokens_per_s",
-            "rl_step_speedup", "acceptance_length")
+            "rl_step_speedup", "acceptance_length", "plain_share")
     curves = {k: per_step(recs, k) for k in keys}
     curves["acceptance_length"] = per_step(recs, "acceptance_length", where="spec_steps")   # none: not speculated
     steps = sorted(curves["plain_rollout_s"] or curves["reward"])

@@ -31,7 +31,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,10 @@ class StepResult:
     # i.e. rollout_s with the speculative decoding's seconds replaced by the plain rerun's.
     plain_rollout_s: float | None = None
     plain_tokens: int | None = None
+    # The draft-length controller's decisions in the rollout: share of decode steps with k = 0, and
+    # decode steps per k (RolloutStats.plain_share / k_histogram).
+    plain_share: float = 0.0
+    k_histogram: dict[int, int] = field(default_factory=dict)
 
     @property
     def rollout_tokens_per_s(self) -> float:
@@ -121,7 +125,8 @@ class StepResult:
             "rollout_tokens_per_s": self.rollout_tokens_per_s,
             "acceptance_length": self.acceptance_length, "spec_steps": self.spec_steps,
             "response_len_mean": self.response_len_mean, "response_len_max": self.response_len_max,
-            "rollout_tail_s": self.tail_s, "published": self.published}
+            "rollout_tail_s": self.tail_s, "published": self.published, "plain_share": self.plain_share,
+            "k_histogram": {str(k): n for k, n in self.k_histogram.items()}}
         if self.plain_rollout_s is not None:
             out.update(plain_rollout_s=self.plain_rollout_s, plain_rollout_tokens_per_s=self.plain_rollout_tokens_per_s,
                        rl_step_speedup=self.rl_step_speedup)
@@ -366,7 +371,8 @@ class GRPOTrainer:
                          response_len_mean=sum(lens) / len(lens), response_len_max=max(lens),
                          acceptance_length=res.stats.acceptance_length, spec_steps=res.stats.spec_steps,
                          tail_s=tail.get("actual_ns", 0) / 1e9, published=tail["published"],
-                         plain_rollout_s=plain_s, plain_tokens=plain_tokens)
+                         plain_rollout_s=plain_s, plain_tokens=plain_tokens,
+                         plain_share=res.stats.plain_share, k_histogram=res.stats.k_histogram)
         self.step_idx += 1
         return out
 

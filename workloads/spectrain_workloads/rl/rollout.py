@@ -13,10 +13,14 @@ Drafter sync is lazy: the engine tracks per row how many committed tokens the dr
 tokens in steady state; the tokens decoded plainly since the drafter was last used after switching
 on), so turning speculation on mid-rollout never recomputes a prefix. The Eagle drafter reads the
 target's hidden states from `hid`, which every target forward fills anyway (and which the RL loop
-publishes for drafter training, so no extra prefill anywhere).
+publishes for drafter training, so no extra prefill anywhere). Compaction moves the drafter's cache
+rows lazily too (`_dperm`: slot -> the drafter cache row holding that slot's entries, applied at the
+next catch-up), so a step with k = 0 is plain decoding's step: no drafter forward, no drafter cache
+work.
 
-Adaptive: `DraftController` picks k in {0 (plain)} U arms per step, keyed by the physical batch
-bucket; reward = expected committed tokens x batch / measured step time; off above batch_threshold.
+Adaptive: `controller.DraftController` picks k in 0..K per step, keyed by the physical batch bucket,
+from a cost model measured on this engine (`_calibrate` prices a bucket once before it may speculate;
+every forward refreshes it) and the running acceptance; off above batch_threshold.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch import nn
 from spectrain_workloads.contract import DRAFT_STRATEGIES
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import KVCache, Transformer, causal_decode_mask
+from spectrain_workloads.rl.controller import DraftController
 from spectrain_workloads.rl.specdec import (
     AcceptRule,
     Sampling,
@@ -41,6 +46,8 @@ from spectrain_workloads.rl.specdec import (
     to_probs,
 )
 from spectrain_workloads.tokenizer import ByteTokenizer
+
+NEW_VERSION_TRIALS = 8.0    # weight (in trials) of the old acceptance estimate when a drafter's newer version arrives
 
 
 @dataclass(kw_only=True)
@@ -129,155 +136,6 @@ def as_drafter(drafter: nn.Module | DraftAdapter, arch: str | None = None) -> Dr
     return LMDraft(drafter) if arch == "LM" else EagleDraft(drafter)
 
 
-# --------------------------------------------------------------------------------------- controller
-
-class _Window:
-    """The last n samples of one timing; its median is robust to the spikes of a shared machine."""
-
-    __slots__ = ("xs", "n", "_median")
-
-    def __init__(self, n: int) -> None:
-        self.xs: list[float] = []
-        self.n = n
-        self._median: float | None = None
-
-    def add(self, x: float) -> None:
-        self.xs.append(x)
-        if len(self.xs) > self.n:
-            del self.xs[0]
-        self._median = None
-
-    def median(self) -> float:
-        # Cached: the controller prices every arm from these on every decode step, and sorting them
-        # each time cost a few percent of a small model's CPU decode step.
-        if self._median is None:
-            s = sorted(self.xs)
-            m = len(s) // 2
-            self._median = s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
-        return self._median
-
-
-class DraftController:
-    """Chooses the draft length per decode step (0 = plain), keyed by the physical batch bucket.
-
-    Value of an arm k: E[tokens | k] / step time, E[tokens | k] = (1 - a^(k+1)) / (1 - a) from the
-    drafter's running per-token acceptance a (a Beta-style prior, then measured). Step times are
-    medians of the last `window` measurements per (bucket, k) (robust to the spikes of a shared
-    machine); an arm not measured yet is priced by a cost model from measured forward times keyed
-    by tokens per forward (plain step + extra verification tokens + k+1 drafter forwards), using
-    monotonicity (a forward over more tokens is no faster), so it is tried only while it could win.
-
-    Never meaningfully slower than plain:
-    - speculation is chosen only with a confident advantage (value > margin x plain's value);
-    - while speculating, one step in `remeasure_every` per bucket is plain, so plain's time stays current;
-    - while plain, speculation is probed once per `probe_every` steps (doubling up to `max_probe_every`
-      after each probe that does not win), so a useless drafter costs at most one slower step per
-      probe interval and a drafter that got better (or a machine that got quieter) is noticed.
-    """
-
-    ARMS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-
-    def __init__(self, *, max_draft: int, batch_threshold: int, strategy: str, window: int = 9,
-                 prior_alpha: float = 0.6, prior_trials: float = 4.0, margin: float = 1.08,
-                 remeasure_every: int = 48, probe_every: int = 32, max_probe_every: int = 1024) -> None:
-        self.max_draft, self.batch_threshold, self.strategy = max_draft, batch_threshold, strategy
-        self.window, self.margin = window, margin
-        self.remeasure_every, self.probe_every, self.max_probe_every = remeasure_every, probe_every, max_probe_every
-        self.arms = sorted({k for k in self.ARMS if k <= max_draft} | {max_draft})
-        self.step_s: dict[tuple[int, int], _Window] = {}    # (bucket, k) -> seconds per decode step
-        self.fwd_s: dict[str, dict[int, _Window]] = {"target": {}, "draft": {}}   # tokens -> seconds
-        self.prior = (prior_alpha * prior_trials, prior_trials)
-        self._since: dict[int, int] = {}      # bucket -> steps since plain was measured / since the last probe
-        self._interval: dict[int, int] = {}   # bucket -> current probe interval while plain wins
-        self._mode: dict[int, str] = {}       # bucket -> "spec" | "plain" (what the values chose last)
-        self.reset_acceptance()
-
-    def reset_acceptance(self, carry_trials: float = 0.0) -> None:
-        """A new drafter: probing starts over; acceptance restarts from the prior, or (carry_trials > 0,
-        a newer version of the same drafter) from the current estimate weighted as that many trials,
-        so the new version's own acceptance takes over within a few steps."""
-        if carry_trials > 0 and self.trials > 0:
-            a = self.accepted / self.trials
-            self.trials = min(self.trials, carry_trials)
-            self.accepted = a * self.trials
-        else:
-            self.accepted, self.trials = self.prior
-        self._interval.clear()
-        self._since.clear()
-
-    @property
-    def alpha(self) -> float:
-        return min(self.accepted / self.trials, 0.999)
-
-    def expected_tokens(self, k: int) -> float:
-        a = self.alpha
-        return (1 - a ** (k + 1)) / (1 - a)
-
-    def values(self, bucket: int) -> dict[int, float]:
-        """Committed tokens per second per row for plain (0) and every arm, from current estimates."""
-        return {k: self.expected_tokens(k) / max(self.step_estimate(bucket, k), 1e-9) for k in [0, *self.arms]}
-
-    def choose(self, bucket: int, n_active: int, can_draft: bool) -> int:
-        if not can_draft or n_active > self.batch_threshold:
-            return 0
-        if self.strategy == "Fixed":
-            return self.max_draft
-        if (bucket, 0) not in self.step_s:
-            return 0                                     # measure plain first
-        values = self.values(bucket)
-        best = max(self.arms, key=lambda k: (values[k], -k))
-        since = self._since.get(bucket, 0) + 1
-        self._since[bucket] = since
-        if values[best] > self.margin * values[0]:
-            if self._mode.get(bucket) != "spec":
-                self._mode[bucket], self._since[bucket] = "spec", 0
-                self._interval.pop(bucket, None)
-                return best
-            if since >= self.remeasure_every:            # keep plain's time current
-                self._since[bucket] = 0
-                return 0
-            return best
-        if self._mode.get(bucket) != "plain":
-            self._mode[bucket], self._since[bucket] = "plain", 0
-            return 0
-        interval = self._interval.get(bucket, self.probe_every)
-        if since >= interval:                            # probe: has the drafter (or the machine) changed?
-            self._since[bucket] = 0
-            self._interval[bucket] = min(2 * interval, self.max_probe_every)
-            return best
-        return 0
-
-    def step_estimate(self, bucket: int, k: int) -> float:
-        w = self.step_s.get((bucket, k))
-        if w is not None:
-            return w.median()
-        plain = self.step_s[(bucket, 0)].median() if (bucket, 0) in self.step_s else 0.0
-        return (plain + max(0.0, self._fwd("target", bucket * (k + 1)) - self._fwd("target", bucket))
-                + (k + 1) * self._fwd("draft", bucket))
-
-    def _fwd(self, kind: str, n: int) -> float:
-        table = self.fwd_s[kind]
-        below = [w.median() for m, w in table.items() if m <= n]
-        return max(below) if below else min((w.median() for w in table.values()), default=0.0)
-
-    def _add(self, table: dict[Any, _Window], key: Any, seconds: float) -> None:
-        if key not in table:
-            table[key] = _Window(self.window)
-        table[key].add(seconds)
-
-    def record_step(self, bucket: int, k: int, seconds: float) -> None:
-        self._add(self.step_s, (bucket, k), seconds)
-
-    def record_forward(self, kind: str, n_tokens: int, seconds: float) -> None:
-        self._add(self.fwd_s[kind], n_tokens, seconds)
-
-    def record_acceptance(self, n_accepted: torch.Tensor, k: int) -> None:
-        """n_accepted [n]: accepted prefix per active row; a row with n < k saw n + 1 trials."""
-        acc = int(n_accepted.sum())
-        self.accepted += acc
-        self.trials += acc + int((n_accepted < k).sum())
-
-
 # ------------------------------------------------------------------------------------------- engine
 
 @dataclass
@@ -295,6 +153,19 @@ class RolloutStats:
     def acceptance_length(self) -> float:
         """Tokens emitted per row-verification (accepted drafts + the target's token)."""
         return (self.accepted + self.verified_rows) / self.verified_rows if self.verified_rows else 0.0
+
+    @property
+    def k_histogram(self) -> dict[int, int]:
+        """Decode steps per draft length chosen (0: plain), ascending k."""
+        counts: dict[int, int] = {}
+        for _, _, k in self.trace:
+            counts[k] = counts.get(k, 0) + 1
+        return dict(sorted(counts.items()))
+
+    @property
+    def plain_share(self) -> float:
+        """Share of decode steps decoded plainly (k = 0)."""
+        return (self.decode_steps - self.spec_steps) / self.decode_steps if self.decode_steps else 0.0
 
 
 @dataclass
@@ -359,9 +230,16 @@ class RolloutEngine:
         self.controller = DraftController(max_draft=cfg.max_draft_tokens, batch_threshold=cfg.batch_threshold,
                                           strategy=cfg.strategy)
         self.graphs = _CudaGraphs() if cfg.cuda_graphs and self.device.type == "cuda" else None
+        # The controller's clock. On one CPU thread an engine's cost is its CPU time: wall time on a shared
+        # machine adds the waits for a core, which hit plain and speculative steps alike and only add
+        # noise. Otherwise (CUDA, several threads) wall time, after a synchronize.
+        single_cpu = self.device.type == "cpu" and torch.get_num_threads() == 1
+        self.clock: Callable[[], float] = time.process_time if single_cpu else time.perf_counter
         self.drafter: DraftAdapter | None = None
         self._alloc: tuple[int, int] = (0, 0)            # (batch, cache_len) the caches were set up for
         self._kv: list[KVCache] = []
+        self._n_dkv = 0                                  # how many of _kv are the drafter's (the last ones)
+        self._dperm: torch.Tensor | None = None          # [nb] slot -> drafter cache row, while compaction is pending
         self.set_drafter(drafter, drafter_arch)
 
     def set_drafter(self, drafter: nn.Module | DraftAdapter | None, arch: str | None = None, *,
@@ -370,15 +248,24 @@ class RolloutEngine:
         carries over with little weight); else acceptance statistics start over from the prior."""
         had = self.drafter is not None
         self.drafter = as_drafter(drafter, arch) if drafter is not None else None
-        self.controller.reset_acceptance(carry_trials=8.0 if new_version and had else 0.0)
+        carry = new_version and had
+        self.controller.reset_acceptance(carry_trials=NEW_VERSION_TRIALS if carry else 0.0)
+        if not carry:        # another drafter: its forward costs are unknown (a new version has the same shape)
+            self.controller.reset_drafter_costs()
         self._alloc = (0, 0)
         if self.graphs is not None:
             self.graphs.drop("d")
 
     # ---- buffers: base tensors allocated once per (batch, cache_len); the live batch is a prefix view
     def _modules_kv(self) -> list[KVCache]:
-        mods = [self.target] + ([self.drafter.module] if self.drafter is not None else [])
-        return [m for mod in mods for m in mod.modules() if isinstance(m, KVCache)]
+        """The target's caches, then the drafter's own (the last `self._n_dkv`; none when the drafter is
+        the target module itself, whose caches are the target's)."""
+        kv = [m for m in self.target.modules() if isinstance(m, KVCache)]
+        seen = {id(m) for m in kv}
+        mods = self.drafter.module.modules() if self.drafter is not None else iter(())
+        dkv = [m for m in mods if isinstance(m, KVCache) and id(m) not in seen]
+        self._n_dkv = len(dkv)
+        return kv + dkv
 
     def _setup(self, batch: int, cache_len: int) -> None:
         stale = self._alloc == (0, 0) or [id(m) for m in self._modules_kv()] != [id(m) for m in self._kv]
@@ -394,7 +281,7 @@ class RolloutEngine:
             if self.graphs is not None:
                 self.graphs = _CudaGraphs()
             self._kv = self._modules_kv()
-            self._kv_base = [(kv.k, kv.v) for kv in self._kv]
+            self._kv_base: list[tuple[torch.Tensor, torch.Tensor]] = [(kv.k, kv.v) for kv in self._kv]  # type: ignore[misc]
             H, dt = self.target.cfg.dim, next(self.target.parameters()).dtype
             self._tok_base = torch.zeros(batch, cache_len, dtype=torch.long, device=self.device)
             self._hid_base = torch.zeros(batch, cache_len, H, dtype=dt, device=self.device)
@@ -407,35 +294,51 @@ class RolloutEngine:
         self.nb = nb
 
     def _compact(self, keep: torch.Tensor) -> None:
-        """Move rows `keep` [m] (slot indices, actives first) to slots 0..m-1 and shrink the view to m."""
+        """Move rows `keep` [m] (slot indices, actives first) to slots 0..m-1 and shrink the view to m.
+        The drafter's cache rows move only when it is next used (`_sync_drafter_rows`)."""
         m = keep.numel()
-        for k, v in self._kv_base:
+        for k, v in self._kv_base[: len(self._kv_base) - self._n_dkv]:
             k[:m] = k[keep]
             v[:m] = v[keep]
+        if self._n_dkv:
+            self._dperm = keep if self._dperm is None else self._dperm[keep]
         self._tok_base[:m] = self._tok_base[keep]
         self._hid_base[:m] = self._hid_base[keep]
         for name in ("length", "dlen", "limit", "active", "row"):
             setattr(self, name, getattr(self, name)[keep])
         self._view(m)
 
+    def _sync_drafter_rows(self) -> None:
+        """Apply the compactions since the drafter was last used to its cache rows."""
+        if self._dperm is None:
+            return
+        m = self._dperm.numel()
+        for k, v in self._kv_base[len(self._kv_base) - self._n_dkv:]:
+            k[:m] = k[self._dperm]
+            v[:m] = v[self._dperm]
+        self._dperm = None
+
     # ---- forwards
-    def _timed(self, kind: str, n_tokens: int, fn: Callable[[], Any]) -> Any:
-        t0 = time.perf_counter()
+    def _timed(self, kind: str, shape: torch.Size, fn: Callable[[], Any], record: bool = True) -> Any:
+        """fn's output; its seconds go to the cost model under (kind, batch bucket, tokens per row)."""
+        t0 = self.clock()
         out = fn()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        self.controller.record_forward(kind, n_tokens, time.perf_counter() - t0)
+        if record:
+            self.controller.record_forward(kind, shape[0], shape[1], self.clock() - t0)
         return out
 
-    def _target_fwd(self, tokens: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _target_fwd(self, tokens: torch.Tensor, pos: torch.Tensor, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         def fn(tokens: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return self.target(tokens, pos, causal_decode_mask(pos, self.cache_len), return_hidden=True)
         if self.graphs is not None:
-            return self._timed("target", tokens.numel(), lambda: self.graphs.run(("t", *tokens.shape), fn, tokens, pos))
-        return self._timed("target", tokens.numel(), lambda: fn(tokens, pos))
+            return self._timed("target", tokens.shape, lambda: self.graphs.run(("t", *tokens.shape), fn, tokens, pos),
+                               record)
+        return self._timed("target", tokens.shape, lambda: fn(tokens, pos), record)
 
     def _draft_fwd(self, tokens: torch.Tensor, hidden: torch.Tensor | None, pos: torch.Tensor,
-                   graph: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   graph: bool, record: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert self.drafter is not None
         d = self.drafter
 
@@ -443,8 +346,25 @@ class RolloutEngine:
             return d.forward(tokens, hidden[0] if hidden else None, pos, causal_decode_mask(pos, self.cache_len))
         args = (tokens, pos) + ((hidden,) if hidden is not None else ())
         if self.graphs is not None and graph:
-            return self._timed("draft", tokens.numel(), lambda: self.graphs.run(("d", *tokens.shape), fn, *args))
-        return self._timed("draft", tokens.numel(), lambda: fn(*args))
+            return self._timed("draft", tokens.shape, lambda: self.graphs.run(("d", *tokens.shape), fn, *args), record)
+        return self._timed("draft", tokens.shape, lambda: fn(*args), record)
+
+    def _calibrate(self) -> None:
+        """Price the current bucket before it may speculate: target forwards over 1 and K + 1 tokens per
+        row and a drafter forward over 1, each run once untimed (first-call allocation, graph capture)
+        and once timed. Every entry goes to the trash slot, which no real query reads."""
+        assert self.drafter is not None
+        nb, dev = self.nb, self.device
+        for T in (1, self.cfg.max_draft_tokens + 1):
+            tok = torch.zeros(nb, T, dtype=torch.long, device=dev)
+            pos = torch.full((nb, T), self.trash, device=dev)
+            for record in (False, True):
+                self._target_fwd(tok, pos, record)
+        tok, pos = torch.zeros(nb, 1, dtype=torch.long, device=dev), torch.full((nb, 1), self.trash, device=dev)
+        hidden = self._hid_base[:nb, :1] if self.drafter.needs_hidden else None      # [nb, 1, H]: any values
+        for record in (False, True):
+            self._draft_fwd(tok, hidden, pos, graph=True, record=record)
+        self.controller.calibrated.add(nb)
 
     def _verify(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [nb, T] at positions len-1 .. len-2+T; stores their hidden states; -> logits [nb, T, V]."""
@@ -462,6 +382,7 @@ class RolloutEngine:
 
         def draft_next(tok: torch.Tensor) -> torch.Tensor:          # tok [nb] -> logits [nb, V]
             if not state:   # feed tokens [dlen, len) (the last is `tok`); ragged rows padded to the trash
+                self._sync_drafter_rows()
                 cnt = torch.where(self.active, self.length - self.dlen, 1)                       # [nb]
                 C = int(cnt.max())
                 j = self.dlen[:, None] + torch.arange(C, device=self.device)                     # [nb, C]
@@ -470,9 +391,9 @@ class RolloutEngine:
                 jj = j.clamp(max=self.trash - 1)
                 toks = self.tok[self.rows[:, None], jj]                                          # [nb, C]
                 hidden = self.hid[self.rows[:, None], (jj - 1).clamp(min=0)] if d.needs_hidden else None
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 logits, h = self._draft_fwd(toks, hidden, pos, graph=C == 1)
-                state["catchup_s"] = time.perf_counter() - t0
+                state["catchup_s"] = self.clock() - t0
                 last = (cnt - 1)[:, None]
                 state["pos"] = torch.where(self.active, self.length - d.offset, self.trash)      # [nb]
                 state["h"] = h.gather(1, last[..., None].expand(-1, 1, h.size(-1))) if h is not None else None
@@ -508,6 +429,7 @@ class RolloutEngine:
         self.limit = self.length + cfg.max_new_tokens
         self.active = torch.ones(B, dtype=torch.bool, device=dev)
         self.dlen = torch.full((B,), self.drafter.offset if self.drafter else 0, device=dev)
+        self._dperm = None                              # fresh rows: the drafter's old cache rows are not read
         for i, p in enumerate(prompts):
             self.tok[i, : len(p)] = torch.tensor(p, device=dev)
         result = self.result = RolloutResult([list(p) for p in prompts], lens, [None] * B, RolloutStats())
@@ -521,6 +443,11 @@ class RolloutEngine:
             self.hid[:, :W] = hidden
 
         st = result.stats
+
+        def horizon() -> int:       # without EOS every row runs to its budget: the largest one left
+            return int((self.limit - self.length)[self.active].max())
+
+        horizon_fn = horizon if cfg.eos_id is None else None
         while True:
             n_active = int(self.active.sum())
             if n_active == 0:
@@ -529,10 +456,14 @@ class RolloutEngine:
                 order = torch.argsort((~self.active).to(torch.int8), stable=True)
                 self._compact(order[: _next_pow2(n_active)])
                 self.rows = torch.arange(self.nb, device=dev)
+            # The drafter needs each row to hold more than `offset` tokens: true after the first step
+            # (every active row commits a token per step), so checked on the prompts only.
             can = (spec and self.drafter is not None and n_active <= cfg.batch_threshold
-                   and int(self.length[self.active].min()) > self.drafter.offset)
-            k = self.controller.choose(self.nb, n_active, can)
-            t0 = time.perf_counter()
+                   and (st.decode_steps > 0 or min(lens) > self.drafter.offset))
+            if can and cfg.strategy == "Bandit" and self.nb not in self.controller.calibrated:
+                self._calibrate()
+            k = self.controller.choose(self.nb, n_active, can, horizon_fn)
+            t0 = self.clock()
             old_len = self.length
             last = self.tok[self.rows, self.length - 1]                                       # [nb]
             if k == 0:
@@ -563,17 +494,19 @@ class RolloutEngine:
             act = self.active
             self.active = self.active & ~done
             # bookkeeping (one host sync)
-            dt = time.perf_counter() - t0
+            dt = self.clock() - t0
             st.decode_steps += 1
             st.committed += int(cnt.sum())
             st.trace.append((n_active, self.nb, k))
             if k > 0:
-                self.controller.record_acceptance(n_acc[act], k)
+                self.controller.record_acceptance(n_acc[act], k, self.nb)
                 st.spec_steps += 1
                 st.verified_rows += n_active
                 st.accepted += int(n_acc[act].sum())
                 st.drafted += k * n_active
-                dt = dt - catchup + self.controller._fwd("draft", self.nb)
+                # a long catch-up (after plain steps) is the price of switching, not of this arm: count
+                # it as the steady state's one drafter forward
+                dt = dt - catchup + (self.controller.forward_time("draft", self.nb, 1) or catchup)
             self.controller.record_step(self.nb, k, dt)
             finished = done.nonzero()[:, 0].tolist()
             if finished:
@@ -592,5 +525,5 @@ class RolloutEngine:
         return result
 
 
-__all__ = ["DraftAdapter", "DraftController", "EagleDraft", "LMDraft", "RolloutConfig", "RolloutEngine",
+__all__ = ["NEW_VERSION_TRIALS", "DraftAdapter", "DraftController", "EagleDraft", "LMDraft", "RolloutConfig", "RolloutEngine",
            "RolloutResult", "RolloutStats", "as_drafter"]

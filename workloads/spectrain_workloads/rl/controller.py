@@ -1,0 +1,325 @@
+"""The draft-length controller: a measured cost model, and per decode step the k in 0..K that commits
+the most tokens per second, so speculation runs only where it pays.
+
+Decision. A step of physical batch bucket nb (the rows every forward runs on) with k drafted tokens
+commits per row E_k = (1 - a^(k+1)) / (1 - a) tokens in expectation (i.i.d. per-token acceptance a:
+the accepted drafts plus the target's own token; E_0 = 1) and takes S(nb, k) seconds. What ends a
+rollout is its last row, so the value of a step is the progress of that row (`progress`): E_k when
+rows end at EOS (the longest answer's row), less when every row runs to its budget (the slowest of
+n rows). The gain of arm k over plain is G_k = progress_k * S(nb, 0) / S(nb, k); the controller
+speculates with the best arm only when G_k > 1 + margin (estimates are noisy; a tie is not worth
+drafting for).
+
+Cost model (per controller = per engine, i.e. per device and (target, drafter) pair; seconds):
+  S(nb, 0) = P(nb): median of the bucket's last plain steps (each plain step refreshes it);
+  S(nb, k): the median of arm k's last steps once it has `min_samples`, else the model
+            P(nb) + V(nb, k+1) - V(nb, 1) + k * D(nb) + X(nb), where
+  V(nb, T): one target forward over T tokens per row (verifying k = T - 1 drafts), piecewise linear
+            in T between the measured T, monotone;
+  D(nb):    one drafter forward over one token per row (the cost of one drafted token);
+  X(nb):    the rest of a speculative step (sampling drafts, the rejection rule, catch-up tokens):
+            the median residual of the bucket's measured speculative steps against the terms above.
+V and D are measured when a bucket first may speculate (the engine's `_calibrate`: forwards at
+T = 1 and K + 1 into its trash slot) and refreshed by every real forward afterwards. A measured
+S(nb, k) below P(nb) + V(nb, k+1) - V(nb, 1) + k * D(nb) is raised to it: a busy machine's timings
+must not make drafting look cheaper than the work it adds. Seconds are the engine's clock (CPU time
+on one CPU thread, else wall time).
+
+Acceptance per bucket: accepted / trials of the rejection rule (a row that accepts n < k drafts saw
+n + 1 trials), forgetting old trials beyond `forget_trials` (the drafter keeps training during a
+run), shrunk toward the pooled estimate of all buckets with `shrink` pseudo-trials; the pooled one
+starts from a prior of `prior_trials` trials at `prior_alpha`.
+
+Exploration budget. A step that the estimates do not choose (a probe of k > 0 while plain wins, or a
+plain step while speculating, which keeps P current) is charged its regret: its time minus the time
+the chosen policy needs for the tokens the step committed. Such steps run only while the charged
+regret is <= `explore` x the time of every recorded step, so exploration costs at most that share
+of decode time plus one step. A probe runs when an optimistic acceptance (mean + 2 standard errors)
+says drafting could win, or when the bucket has not been probed for `stale_steps` steps (a drafter
+that improved is noticed even after its estimate settled at "useless").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+ARMS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)   # draft lengths the controller prices (plus max_draft itself)
+
+
+class _Window:
+    """The last n samples of one timing; its median is robust to the spikes of a shared machine."""
+
+    __slots__ = ("xs", "n", "_median")
+
+    def __init__(self, n: int) -> None:
+        self.xs: list[float] = []
+        self.n = n
+        self._median: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.xs)
+
+    def add(self, x: float) -> None:
+        self.xs.append(x)
+        if len(self.xs) > self.n:
+            del self.xs[0]
+        self._median = None
+
+    def median(self) -> float:
+        # Cached: read on every decode step; sorting each time would cost a few percent of a small
+        # model's CPU step.
+        if self._median is None:
+            s = sorted(self.xs)
+            m = len(s) // 2
+            self._median = s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
+        return self._median
+
+
+class DraftController:
+    """choose(bucket, n_active, can_draft) -> k (0: plain) per decode step; record_* feed the estimates.
+
+    Strategy "Fixed" always drafts max_draft (where drafting is allowed); "Bandit" decides as above.
+    """
+
+    REPLAN_ALPHA = 0.02     # an acceptance estimate that moved by more than this replans its bucket at once
+
+    def __init__(self, *, max_draft: int, batch_threshold: int, strategy: str, margin: float = 0.08,
+                 explore: float = 0.02, window: int = 9, min_samples: int = 3, stale_steps: int = 256,
+                 replan_every: int = 16, remeasure_every: int = 64, prior_alpha: float = 0.5,
+                 prior_trials: float = 2.0, forget_trials: float = 512.0, shrink: float = 4.0) -> None:
+        self.max_draft, self.batch_threshold, self.strategy = max_draft, batch_threshold, strategy
+        self.margin, self.explore, self.window, self.min_samples = margin, explore, window, min_samples
+        self.stale_steps, self.replan_every, self.remeasure_every = stale_steps, replan_every, remeasure_every
+        self.prior_alpha, self.prior_trials = prior_alpha, prior_trials
+        self.forget_trials, self.shrink = forget_trials, shrink
+        self.arms = sorted({k for k in ARMS if k <= max_draft} | {max_draft})
+        self.step_s: dict[tuple[int, int], _Window] = {}              # (bucket, k) -> seconds per step
+        self.fwd_s: dict[tuple[str, int], dict[int, _Window]] = {}    # (kind, bucket) -> T -> seconds per forward
+        self.resid_s: dict[int, _Window] = {}                          # bucket -> X samples
+        self.calibrated: set[int] = set()
+        self.elapsed_s = 0.0            # every recorded step
+        self.regret_s = 0.0             # exploration steps' charged regret
+        self._plan: dict[int, tuple[int, float, int, float, float]] = {}   # bucket -> _replan's
+        self._plan_age: dict[int, int] = {}
+        self._since_probe: dict[int, int] = {}
+        self._spec_run: dict[int, int] = {}                            # spec steps since plain was measured
+        self._explore_step = False
+        self._tokens_per_row = 1.0      # the last step's committed tokens per active row
+        self.accepted, self.trials = 0.0, 0.0    # pooled over buckets (set by reset_acceptance)
+        self.reset_acceptance()
+
+    # ---- acceptance
+    def reset_acceptance(self, carry_trials: float = 0.0) -> None:
+        """A new drafter: acceptance restarts from the prior, or (carry_trials > 0, a newer version of
+        the same drafter) from the current pooled estimate weighted as that many trials, so the new
+        version's own acceptance takes over within a few steps; probing starts over."""
+        if carry_trials > 0 and self.trials > 0:
+            a = self.accepted / self.trials
+            self.trials = min(self.trials, carry_trials)
+            self.accepted = a * self.trials
+        else:
+            self.accepted, self.trials = self.prior_alpha * self.prior_trials, self.prior_trials
+        self.acc: dict[int, tuple[float, float]] = {}                  # bucket -> (accepted, trials)
+        self._since_probe.clear()
+        self._plan.clear()
+
+    def reset_drafter_costs(self) -> None:
+        """A drafter of another shape: its forward times, and the speculative steps built on them, are stale."""
+        self.fwd_s = {key: t for key, t in self.fwd_s.items() if key[0] != "draft"}
+        self.step_s = {key: w for key, w in self.step_s.items() if key[1] == 0}
+        self.resid_s.clear()
+        self.calibrated.clear()
+        self._plan.clear()
+
+    @property
+    def alpha(self) -> float:
+        """Pooled per-token acceptance over all buckets."""
+        return min(self.accepted / self.trials, 0.999)
+
+    def alpha_for(self, bucket: int) -> tuple[float, float]:
+        """(per-token acceptance estimate, effective trials) for one bucket."""
+        acc, tr = self.acc.get(bucket, (0.0, 0.0))
+        n = tr + self.shrink
+        return min((acc + self.shrink * self.alpha) / n, 0.999), n
+
+    @staticmethod
+    def expected_tokens(k: int, a: float) -> float:
+        """E[committed tokens per row] for k drafts at per-token acceptance a (bonus token included)."""
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    @classmethod
+    def progress(cls, k: int, a: float, n_rows: int, horizon: int | None) -> float:
+        """Expected progress per step of the batch's last row to finish, in tokens.
+
+        horizon None (rows end at EOS): the row that finishes last is the one with the longest answer,
+        and it advances E_k per step. Otherwise every row runs to its budget and the batch ends with
+        its slowest row: over the remaining horizon / E_k steps, the slowest of n rows, each committing
+        i.i.d. c per step (mean E_k, standard deviation sd), advances about E_k - z_n sd / sqrt(steps)
+        per step, z_n = sqrt(2 ln n) (the expected maximum of n standard normals, roughly); at least 1.
+        """
+        mean = cls.expected_tokens(k, a)
+        if horizon is None or n_rows <= 1 or k == 0:
+            return mean
+        second = sum((2 * j - 1) * a ** (j - 1) for j in range(1, k + 2))       # E[c^2]: P(c >= j) = a^(j-1)
+        sd = math.sqrt(max(0.0, second - mean * mean))
+        steps = max(1.0, horizon / mean)
+        return max(1.0, mean - math.sqrt(2 * math.log(n_rows)) * sd / math.sqrt(steps))
+
+    # ---- costs
+    def plain_time(self, bucket: int) -> float | None:
+        w = self.step_s.get((bucket, 0))
+        return w.median() if w is not None else None
+
+    def forward_time(self, kind: str, bucket: int, T: int) -> float | None:
+        """One forward over T tokens per row: measured, or piecewise linear between the measured T and
+        extended with the last slope; made monotone in T (a forward over more tokens is no faster)."""
+        table = self.fwd_s.get((kind, bucket))
+        if not table:
+            return None
+        pts, best = [], 0.0
+        for t in sorted(table):
+            best = max(best, table[t].median())
+            pts.append((t, best))
+        if T <= pts[0][0]:
+            return pts[0][1]
+        for (t0, s0), (t1, s1) in zip(pts, pts[1:], strict=False):
+            if T <= t1:
+                return s0 + (s1 - s0) * (T - t0) / (t1 - t0)
+        if len(pts) >= 2:
+            (t0, s0), (t1, s1) = pts[-2], pts[-1]
+            return s1 + (s1 - s0) * (T - t1) / (t1 - t0)
+        return pts[-1][1]
+
+    def _model_terms(self, bucket: int, k: int, plain: float) -> float:
+        v1 = self.forward_time("target", bucket, 1)
+        vk = self.forward_time("target", bucket, k + 1)
+        d = self.forward_time("draft", bucket, 1) or 0.0
+        extra = max(0.0, vk - v1) if vk is not None and v1 is not None else 0.0
+        return plain + extra + k * d
+
+    def step_time(self, bucket: int, k: int) -> float:
+        """S(bucket, k): measured median, or the cost model (needs plain measured first). Never below
+        the model's terms without X: a speculative step does a plain step's work plus the extra
+        verification tokens and k drafter forwards, however the timings of a busy machine fell."""
+        plain = self.plain_time(bucket) or 0.0
+        if k == 0:
+            return plain
+        floor = self._model_terms(bucket, k, plain)
+        w = self.step_s.get((bucket, k))
+        if w is not None and len(w) >= self.min_samples:
+            return max(floor, w.median())
+        x = self.resid_s.get(bucket)
+        return max(floor, floor + (x.median() if x is not None else 0.0))
+
+    def gains(self, bucket: int, a: float | None = None) -> dict[int, float]:
+        """G_k = E_k x S(bucket, 0) / S(bucket, k) for every arm, at acceptance a (default: the estimate)."""
+        a = self.alpha_for(bucket)[0] if a is None else a
+        plain = self.plain_time(bucket) or 0.0
+        return {k: self.expected_tokens(k, a) * plain / max(self.step_time(bucket, k), 1e-12) for k in self.arms}
+
+    def _replan(self, bucket: int, n_active: int = 1,
+                horizon: int | None = None) -> tuple[int, float, int, float, float]:
+        """(best arm, its gain, best arm at an optimistic acceptance, its gain, the acceptance used);
+        gains from `progress` (n_active rows, horizon: the largest remaining budget, None with EOS)."""
+        a, n = self.alpha_for(bucket)
+        a_opt = min(0.999, a + 2 * math.sqrt(max(a * (1 - a), 0.05 * 0.95) / n))
+        plain = self.plain_time(bucket) or 0.0
+        cost = {k: max(self.step_time(bucket, k), 1e-12) for k in self.arms}
+        g = {k: self.progress(k, a, n_active, horizon) * plain / cost[k] for k in self.arms}
+        go = {k: self.progress(k, a_opt, n_active, horizon) * plain / cost[k] for k in self.arms}
+        k = max(self.arms, key=lambda j: (g[j], -j))
+        k_opt = max(self.arms, key=lambda j: (go[j], -j))
+        plan = self._plan[bucket] = (k, g[k], k_opt, go[k_opt], a)
+        self._plan_age[bucket] = 0
+        return plan
+
+    # ---- decision
+    def _within_budget(self) -> bool:
+        return self.regret_s <= self.explore * self.elapsed_s
+
+    def choose(self, bucket: int, n_active: int, can_draft: bool,
+               horizon: Callable[[], int] | None = None) -> int:
+        """k for the next step; horizon() (asked only when replanning): the active rows' largest remaining
+        token budget, for batches whose rows all run to their budget (no EOS); None: rows end at EOS."""
+        self._explore_step = False
+        if not can_draft or n_active > self.batch_threshold:
+            return 0
+        if self.strategy == "Fixed":
+            return self.max_draft
+        if (bucket, 0) not in self.step_s:
+            return 0                                          # measure plain first
+        age = self._plan_age.get(bucket, 0) + 1
+        self._plan_age[bucket] = age
+        plan = self._plan.get(bucket)
+        if plan is None or age >= self.replan_every:
+            plan = self._replan(bucket, n_active, horizon() if horizon is not None else None)
+        k, gain, k_opt, gain_opt, _ = plan
+        if gain > 1 + self.margin:
+            run = self._spec_run.get(bucket, 0) + 1
+            self._spec_run[bucket] = run
+            if run >= self.remeasure_every and self._within_budget():   # keep P current
+                self._spec_run[bucket] = 0
+                self._explore_step = True
+                return 0
+            return k
+        since = self._since_probe.get(bucket, 0) + 1
+        self._since_probe[bucket] = since
+        if (gain_opt > 1 or since >= self.stale_steps) and self._within_budget():
+            self._since_probe[bucket] = 0
+            self._explore_step = True
+            return k_opt
+        return 0
+
+    # ---- measurements
+    def _add(self, table: dict[Any, _Window], key: Any, seconds: float) -> None:
+        w = table.get(key)
+        if w is None:
+            w = table[key] = _Window(self.window)
+        w.add(seconds)
+
+    def record_forward(self, kind: str, bucket: int, tokens_per_row: int, seconds: float) -> None:
+        self._add(self.fwd_s.setdefault((kind, bucket), {}), tokens_per_row, seconds)
+
+    def record_acceptance(self, n_accepted: torch.Tensor, k: int, bucket: int) -> None:
+        """n_accepted [n]: accepted prefix per active row of a step with k drafts."""
+        acc = float(n_accepted.sum())
+        trials = acc + float((n_accepted < k).sum())
+        self._tokens_per_row = 1.0 + acc / max(1, n_accepted.numel())
+        self.accepted, self.trials = self._forget(self.accepted + acc, self.trials + trials)
+        cell = self.acc.get(bucket, (0.0, 0.0))
+        self.acc[bucket] = self._forget(cell[0] + acc, cell[1] + trials)
+        plan = self._plan.get(bucket)
+        if plan is not None and abs(self.alpha_for(bucket)[0] - plan[4]) > self.REPLAN_ALPHA:
+            del self._plan[bucket]
+
+    def _forget(self, accepted: float, trials: float) -> tuple[float, float]:
+        if trials <= self.forget_trials:
+            return accepted, trials
+        return accepted * self.forget_trials / trials, self.forget_trials
+
+    def record_step(self, bucket: int, k: int, seconds: float) -> None:
+        """A decode step's time (the engine's, less any catch-up beyond one drafter forward)."""
+        self._add(self.step_s, (bucket, k), seconds)
+        self.elapsed_s += seconds
+        if k > 0:
+            plain = self.plain_time(bucket)
+            if plain is not None:
+                self._add(self.resid_s, bucket, seconds - self._model_terms(bucket, k, plain))
+            if len(self.step_s[(bucket, k)]) <= self.min_samples:     # the arm's price just changed source
+                self._plan.pop(bucket, None)
+        if self._explore_step:
+            plan = self._plan.get(bucket) or (self._replan(bucket) if (bucket, 0) in self.step_s else None)
+            if plan is not None:
+                k_best, gain = plan[0], plan[1]
+                per_token = (self.step_time(bucket, k_best) / self.expected_tokens(k_best, self.alpha_for(bucket)[0])
+                             if gain > 1 + self.margin else self.plain_time(bucket) or 0.0)
+                done = self._tokens_per_row if k > 0 else 1.0
+                self.regret_s += max(0.0, seconds - done * per_token)
+            self._explore_step = False
+
+
+__all__ = ["ARMS", "DraftController"]
