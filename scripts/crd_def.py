@@ -96,6 +96,107 @@ def resources(desc: str) -> dict[str, Any]:
     })
 
 
+# Pod Security: what a job may set. Running as root, privileged or with privilege escalation is offered
+# nowhere: Pod Security "restricted" refuses each, and no gpuSharing mode needs any of them
+# (docs/gpu-sharing.md). Each refusal is a CEL rule whose message names the field and the fix, so the API
+# server, the operator (re-checking for servers without CEL) and `spectrain validate` say the same words.
+NOT_ROOT_WHY = "Pod Security 'restricted' forbids it and no gpuSharing mode needs it (docs/gpu-sharing.md)"
+
+
+def seccomp_profile(path: str) -> dict[str, Any]:
+    return o("Seccomp profile (core/v1 SeccompProfile); Unconfined is not offered. Default: RuntimeDefault.", {
+        "type": s("RuntimeDefault (the container runtime's filter) or Localhost (a profile on the node).",
+                  enum=["RuntimeDefault", "Localhost"]),
+        "localhostProfile": s("The profile's path under the kubelet's seccomp directory (type Localhost).",
+                              minLength=1, maxLength=4096),
+    }, required=["type"], rules=[rule("self.type != 'Localhost' || has(self.localhostProfile)",
+                                      f"{path}.localhostProfile: required when type is Localhost; set the "
+                                      "profile's path or use type RuntimeDefault")])
+
+
+def identity_fields(path: str) -> dict[str, Any]:
+    return {
+        "runAsUser": i(f"UID the process runs as; default {C.IMAGE_UID} (the workload image's user). 0 is refused.",
+                       minimum=0, maximum=2147483647),
+        "runAsGroup": i(f"Primary GID of the process; default {C.IMAGE_GID}.", minimum=0, maximum=2147483647),
+        "runAsNonRoot": b("The kubelet refuses to start a container whose user is root; default true, false is "
+                          "refused."),
+        "seccompProfile": seccomp_profile(f"{path}.seccompProfile"),
+    }
+
+
+def identity_rules(path: str) -> list[dict[str, str]]:
+    return [
+        rule("!has(self.runAsUser) || self.runAsUser != 0",
+             f"{path}.runAsUser: 0 (root) is refused: {NOT_ROOT_WHY}; remove it (the image's user "
+             f"{C.IMAGE_UID} is the default) or set another non-zero UID"),
+        rule("!has(self.runAsNonRoot) || self.runAsNonRoot",
+             f"{path}.runAsNonRoot: false is refused: {NOT_ROOT_WHY}; remove it"),
+    ]
+
+
+def pod_security_context() -> dict[str, Any]:
+    path = "spec.podSecurityContext"
+    return o("Overrides of the pods' core/v1 PodSecurityContext. The operator's defaults pass Pod Security "
+             f"\"restricted\": runAsNonRoot, runAsUser/runAsGroup/fsGroup {C.IMAGE_UID}/{C.IMAGE_GID}/{C.IMAGE_GID} "
+             "(the workload image's user), fsGroupChangePolicy OnRootMismatch, seccomp RuntimeDefault; a field "
+             "set here replaces its default. Applies to pods created after a change.", {
+        **identity_fields(path),
+        "fsGroup": i("Group that owns the pod's volumes (the fleet key is readable through it); default "
+                     f"{C.IMAGE_GID}.", minimum=0, maximum=2147483647),
+        "fsGroupChangePolicy": s("OnRootMismatch (default: skip the recursive chown of a volume whose root "
+                                 "already matches) or Always.", enum=["OnRootMismatch", "Always"]),
+        "supplementalGroups": a("Extra GIDs of every container's first process.",
+                                i("A GID.", minimum=0, maximum=2147483647), maxItems=64),
+    }, rules=identity_rules(path))
+
+
+def container_security_context(path: str) -> dict[str, Any]:
+    return o("Overrides of the container's core/v1 SecurityContext, on top of the operator's defaults "
+             "(allowPrivilegeEscalation false, capabilities drop ALL; user, group and seccomp from the pod). "
+             "privileged, allowPrivilegeEscalation true, runAsNonRoot false and runAsUser 0 are refused.", {
+        **identity_fields(path),
+        "allowPrivilegeEscalation": b("Default false; true is refused."),
+        "privileged": b("Refused when true (GPUs come from nvidia.com/gpu or DRA, never from privilege)."),
+        "readOnlyRootFilesystem": b("Mount the image's root filesystem read-only; libraries that cache under "
+                                    "$HOME (torch, Hugging Face) then need it pointed at a volume through env."),
+        "capabilities": o("Linux capabilities; default drop ALL.", {
+            "add": a("Capabilities to add: only NET_BIND_SERVICE (what \"restricted\" allows).",
+                     s("A capability.", enum=["NET_BIND_SERVICE"]), maxItems=1),
+            "drop": a("Capabilities to drop; default [ALL]. Anything short of ALL fails \"restricted\".",
+                      s("A capability.", minLength=1, maxLength=64), maxItems=64),
+        }),
+    }, rules=identity_rules(path) + [
+        rule("!has(self.privileged) || !self.privileged",
+             f"{path}.privileged: true is refused: {NOT_ROOT_WHY}; remove it"),
+        rule("!has(self.allowPrivilegeEscalation) || !self.allowPrivilegeEscalation",
+             f"{path}.allowPrivilegeEscalation: true is refused: {NOT_ROOT_WHY}; remove it"),
+    ])
+
+
+def network_policy() -> dict[str, Any]:
+    selector = o("Namespaces (a metav1.LabelSelector on their labels) whose pods may scrape the metrics ports; "
+                 "{} (the default): every namespace, where Prometheus may run.", {
+        "matchLabels": o("Labels a namespace must carry.", additionalProperties=s("A label value.", maxLength=63),
+                         maxProperties=64),
+        "matchExpressions": a("Requirements on a namespace's labels.", o("A requirement.", {
+            "key": s("Label key.", minLength=1, maxLength=317),
+            "operator": s("How the key's value is matched.", enum=["In", "NotIn", "Exists", "DoesNotExist"]),
+            "values": a("Values for In and NotIn.", s("A label value.", maxLength=63), maxItems=64),
+        }, required=["key", "operator"]), maxItems=32),
+    }, default={})
+    return o("The job's NetworkPolicy `<job>` (owned by the job, created with its other children): the job's "
+             "pods accept connections from each other on every port (the c10d store, the drafter exchange, and "
+             "the ports gloo and NCCL open at random for their peer links) and on the metrics ports (target's and "
+             "drafter's, each + local rank) from the namespaces of metricsFrom; nothing else reaches them. Egress is not restricted. Needs a network "
+             "plugin that enforces NetworkPolicy. Immutable once created.", {
+        "enabled": b("Create the NetworkPolicy; false: the pods are reachable as the namespace's other "
+                     "policies allow.", default=True),
+        "metricsFrom": selector,
+    }, default={}, rules=[rule("self == oldSelf", "spec.networkPolicy is immutable (the NetworkPolicy is created "
+                                                  "once with the job); create a new SpecTrainJob instead")])
+
+
 def spec_schema() -> dict[str, Any]:
     parallelism = o("How the target's ranks are arranged. data * pipeline must equal nodes * procsPerNode.", {
         "data": i("Data-parallel degree.", default=1, minimum=1, maximum=4096),
@@ -139,6 +240,7 @@ def spec_schema() -> dict[str, Any]:
         "args": string_list("Arguments for the entrypoint."),
         "env": env_list("Extra environment variables, appended after the operator's."),
         "resources": resources("Compute resources of the target container (core/v1 ResourceRequirements)."),
+        "securityContext": container_security_context("spec.target.securityContext"),
         "nodes": i("Number of pods (one per node).", default=1, minimum=1, maximum=MAX_NODES),
         "procsPerNode": i("Ranks per pod.", default=1, minimum=1, maximum=64),
         "parallelism": parallelism,
@@ -234,12 +336,23 @@ def spec_schema() -> dict[str, Any]:
                                minimum=0, exclusiveMinimum=True, maximum=100000),
             "combineEverySeconds": n("Seconds between two rounds of averaging the drafters' replicas.",
                                      minimum=1, maximum=86400),
+            "engine": s("How the replicas' weights are combined. Star: every round each drafter sends its "
+                        "weights to the exporting rank's drafter, which averages them and sends the result back; "
+                        "authenticated (the job's key, every frame MAC'd, every item checked), and it moves N "
+                        "models per round through that one drafter (fine for tens of ranks). AllReduce: a gloo "
+                        "ring all-reduce on the drafters' own TCPStore (hosted by the exporting rank's drafter), "
+                        "whose per-rank traffic does not grow with N (hundreds to thousands of ranks); gloo's "
+                        "transport in the PyTorch wheels is not authenticated (no TLS transport built in), so use "
+                        "it only where a NetworkPolicy keeps the drafter ports to the job's own pods. What a "
+                        "member receives is still checked before it is applied.",
+                        default="Star", enum=list(C.EXCHANGE_ENGINES)),
         }, default={}),
         "maxFailures": i("Drafter failures on one rank at which the drafter is disabled in place on every rank "
                          f"(condition DrafterDegraded; exits with code {C.EXIT_PEER_FRAME}, a peer's frame, not "
                          "counted); the target is never stopped or restarted for it.",
                          default=3, minimum=0, maximum=1000),
         "resources": resources("Compute resources of the drafter container."),
+        "securityContext": container_security_context("spec.drafter.securityContext"),
     }, default={}, rules=[rule("self == oldSelf", "spec.drafter is immutable; create a new SpecTrainJob instead")])
     gpu = o("How target and drafter share GPUs.", {
         "mode": s("DRA (ResourceClaim with MPS sharing), PodLocalMPS (MPS daemon sidecar), SingleContainer "
@@ -252,9 +365,12 @@ def spec_schema() -> dict[str, Any]:
         }, default={}),
         "mps": o("PodLocalMPS settings.", {
             "image": s("MPS daemon image; empty: target.image.", maxLength=1024),
-            "runAsUser": i("UID shared by all containers (MPS requires one user).", default=1000, minimum=0,
+            "runAsUser": i("UID shared by all containers (MPS serves only clients of its own user); runAsUser "
+                           "overrides must equal it. 0 is refused.", default=C.IMAGE_UID, minimum=0,
                            maximum=2147483647),
-        }, default={}),
+        }, default={}, rules=[rule("!has(self.runAsUser) || self.runAsUser != 0",
+                                   f"spec.gpuSharing.mps.runAsUser: 0 (root) is refused: {NOT_ROOT_WHY}; use "
+                                   f"{C.IMAGE_UID} (the default, the image's user) or another non-zero UID")]),
     }, default={"mode": "None", "gpusPerNode": 0}, rules=[rule("(self.mode == 'None') == (self.gpusPerNode == 0)",
                                "spec.gpuSharing.gpusPerNode must be 0 iff spec.gpuSharing.mode is None")])
     failure_rule = o("A failure-policy rule.", {
@@ -308,6 +424,8 @@ def spec_schema() -> dict[str, Any]:
         }, default={}),
         "runPolicy": run_policy,
         "scheduling": scheduling,
+        "podSecurityContext": pod_security_context(),
+        "networkPolicy": network_policy(),
     }, required=["target"], rules=[
         rule("(self.mode == 'RL') == has(self.target.rl)",
              "spec.target.rl is required when spec.mode is RL and forbidden otherwise"),
@@ -315,6 +433,22 @@ def spec_schema() -> dict[str, Any]:
              "spec.target.parallelism.pipeline must be >= 2 when spec.mode is AsyncPipeline"),
         rule("self.gpuSharing.gpusPerNode == 0 || self.gpuSharing.gpusPerNode == self.target.procsPerNode",
              "spec.gpuSharing.gpusPerNode must equal spec.target.procsPerNode when > 0"),
+        rule("self.gpuSharing.mode != 'PodLocalMPS' || ("
+             "(!has(self.podSecurityContext) || !has(self.podSecurityContext.runAsUser) || self.podSecurityContext.runAsUser == self.gpuSharing.mps.runAsUser) && "
+             "(!has(self.target.securityContext) || !has(self.target.securityContext.runAsUser) || self.target.securityContext.runAsUser == self.gpuSharing.mps.runAsUser) && "
+             "(!has(self.drafter.securityContext) || !has(self.drafter.securityContext.runAsUser) || self.drafter.securityContext.runAsUser == self.gpuSharing.mps.runAsUser))",
+             "spec.gpuSharing.mps.runAsUser: PodLocalMPS runs every container as this one UID (MPS serves only "
+             "clients of its own user); make spec.podSecurityContext.runAsUser and spec.target/drafter."
+             "securityContext.runAsUser equal to it, or remove them"),
+        rule("!has(self.drafter.exchange) || !has(self.drafter.exchange.engine) || "
+             "self.drafter.exchange.engine != 'AllReduce' || !has(self.networkPolicy) || "
+             "!has(self.networkPolicy.enabled) || self.networkPolicy.enabled",
+             "spec.drafter.exchange.engine: AllReduce needs spec.networkPolicy.enabled (the ring's gloo transport "
+             "is not authenticated, only the job's NetworkPolicy keeps other pods off it); enable the policy or "
+             "use engine Star"),
+        rule("self.gpuSharing.mode != 'SingleContainer' || !has(self.drafter.securityContext)",
+             "spec.drafter.securityContext: in gpuSharing mode SingleContainer the drafter runs inside the target "
+             "container, under spec.target.securityContext; remove it"),
     ])
 
 

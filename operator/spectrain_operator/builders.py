@@ -5,9 +5,10 @@ the local backend runs them, the operator creates them).
 Children (API.md): `<job>-config` ConfigMap (key config.json = the manifest with its spec
 defaulted), `<job>` headless Service, `<job>-status` ServiceAccount/Role/RoleBinding (the status
 path of docs/design.md), `<job>-fleet-key` Secret (the drafters' per-job key; its random bytes are
-passed in, never made here), one Pod `<job>-<node>` per node with container `target` and the
-drafter as a native-sidecar init container, plus whatever gpu_sharing / scheduling add
-(ResourceClaimTemplate, PodGroup). Pod layout, env and volumes: docs/contracts.md.
+passed in, never made here), `<job>` NetworkPolicy (unless spec.networkPolicy.enabled is false), one
+Pod `<job>-<node>` per node with container `target` and the drafter as a native-sidecar init
+container, plus whatever gpu_sharing / scheduling add (ResourceClaimTemplate, PodGroup). Pod layout,
+env and volumes: docs/contracts.md.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from spectrain_workloads.contract import (
     ENV_JOB_UID,
     ENV_POD_IPS,
     ENV_RESTART_GENERATION,
+    IMAGE_GID,
+    IMAGE_UID,
 )
 
 LABEL_NODE = "spectrain.io/node-index"
@@ -47,14 +50,15 @@ EXPORT_DIR = "/var/run/spectrain/export"
 DATA_ROOT = "/var/run/spectrain/data"
 MASTER_PORT = 29500
 TARGET_METRICS_PORT = 9400
-DRAFTER_METRICS_PORT = 9401
+DRAFTER_METRICS_PORT = 9464   # past the targets' 9400 + local rank (procsPerNode <= 64, the CRD's maximum)
 DRAFTER_PORT = 29600       # the drafters' exchange (drafter.fleet); local rank i listens on + i
 # The drafter's downward-API file of its pod's annotations (kubelet format: one `key="value"` line
 # each): the operator disables a drafter in place by annotating its pod (ANNOTATION_DRAFTER_DISABLED).
 PODINFO_DIR = f"{CONFIG_DIR}/podinfo"
 PODINFO_ANNOTATIONS = "annotations"
 # The per-job fleet key: Secret `<job>-fleet-key`, data key `key` = 64 lowercase hex characters (32
-# random bytes), mounted only into the drafter container, readable by its user only.
+# random bytes), mounted only into the drafter container; the kubelet makes the file group-readable for
+# the pods' fsGroup (POD_SECURITY_DEFAULTS), which is how the image's non-root user reads it.
 FLEET_KEY_DIR = f"{CONFIG_DIR}/fleet-key"
 FLEET_KEY_ITEM = "key"
 FLEET_KEY_BYTES = 32
@@ -67,6 +71,17 @@ DRAFTER_COMMAND = ["spectrain-drafter"]
 # The workloads write their fatal error line to /dev/termination-log; without one (a crash before
 # the entrypoint ran) the kubelet puts the log's tail there. faults.classify_pod reads it back.
 TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
+# Pod Security "restricted" by default (docs/operations.md, Security). User, group and seccomp are set on
+# the pod, so they cover every container (init containers and the gpu_sharing ones included) and one
+# spec.podSecurityContext field changes them all; what exists only per container is set on each one. A
+# field of spec.podSecurityContext / spec.<target|drafter>.securityContext replaces its default (the CRD's
+# rules have refused root, privilege and escalation before a builder runs). fsGroup: the kubelet gives the
+# volumes (PVCs, the fleet key Secret) that group, so the image's user can read and write them.
+POD_SECURITY_DEFAULTS: Obj = {
+    "runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_GID, "fsGroup": IMAGE_GID,
+    "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_DEFAULTS: Obj = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
 # ---------------------------------------------------------------- names
@@ -114,6 +129,10 @@ def pod_names(job: Obj) -> list[str]:
 
     nodes = range(int(job["spec"]["target"]["nodes"]))
     return [pod_object_name(job, n, g) for g in ((0, 1) if scheduling.kueue_queue(job) else (0,)) for n in nodes]
+
+
+def network_policy_name(job: Obj) -> str:
+    return str(job["metadata"]["name"])
 
 
 def selector(job: Obj) -> str:
@@ -175,7 +194,61 @@ def fleet_key_secret(job: Obj, raw: bytes) -> Obj:
             "data": {FLEET_KEY_ITEM: base64.b64encode(text.encode()).decode()}}
 
 
+def metrics_ports(job: Obj) -> list[int]:
+    """The pod's Prometheus ports: every process serves its container's SPECTRAIN_METRICS_PORT + its
+    local rank, the targets from TARGET_METRICS_PORT and, where a drafter runs, the drafters from
+    DRAFTER_METRICS_PORT (in SingleContainer mode too: the supervisor passes it in its env)."""
+    procs = range(int(job["spec"]["target"]["procsPerNode"]))
+    bases = [TARGET_METRICS_PORT] + ([DRAFTER_METRICS_PORT] if drafter_runs(job) else [])
+    return sorted({base + i for base in bases for i in procs})
+
+
+def target_metrics_ports(job: Obj) -> list[int]:
+    return [TARGET_METRICS_PORT + i for i in range(int(job["spec"]["target"]["procsPerNode"]))]
+
+
+def network_policy_enabled(job: Obj) -> bool:
+    return bool((job["spec"].get("networkPolicy") or {}).get("enabled", True))
+
+
+def network_policy(job: Obj) -> Obj:
+    """NetworkPolicy `<job>` on the job's pods: every port from the job's own pods (the c10d store and the
+    drafter exchange, but also the ports gloo and NCCL pick at random for their peer links, which no
+    port list can name), the metrics ports from the namespaces of spec.networkPolicy.metricsFrom ({}:
+    all), nothing else. Ingress only: the pods' egress (API server, DNS, registries) is left to the
+    namespace's policies."""
+    own = {"matchLabels": {LABEL_JOB: job["metadata"]["name"]}}
+    metrics_from = copy.deepcopy((job["spec"].get("networkPolicy") or {}).get("metricsFrom") or {})
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(job, network_policy_name(job)),
+            "spec": {"podSelector": own, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"podSelector": copy.deepcopy(own)}]},
+                                 {"from": [{"namespaceSelector": metrics_from}],
+                                  "ports": [{"protocol": "TCP", "port": port} for port in metrics_ports(job)]}]}}
+
+
 # ---------------------------------------------------------------- pods
+
+def _overlay(defaults: Obj, overrides: Obj | None) -> Obj:
+    """`defaults` with each field of `overrides` replacing it; a mapping in both (capabilities,
+    seccompProfile) is merged one level, so adding NET_BIND_SERVICE keeps `drop: [ALL]`."""
+    out = copy.deepcopy(defaults)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **copy.deepcopy(value)}
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def pod_security_context(job: Obj) -> Obj:
+    return _overlay(POD_SECURITY_DEFAULTS, job["spec"].get("podSecurityContext"))
+
+
+def container_security_context(overrides: Obj | None = None) -> Obj:
+    """A container's securityContext: CONTAINER_SECURITY_DEFAULTS and the spec's overrides."""
+    return _overlay(CONTAINER_SECURITY_DEFAULTS, overrides)
+
 
 def drafter_runs(job: Obj, drafter_disabled: bool = False) -> bool:
     return bool(job["spec"]["drafter"]["enabled"]) and not drafter_disabled
@@ -309,11 +382,13 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
         "image": t["image"],
         "command": list(t.get("command") or TARGET_COMMAND),
         "env": _env(job, node, drafter_on, TARGET_METRICS_PORT) + copy.deepcopy(t.get("env") or []),
-        "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": TARGET_METRICS_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}]
+        + [{"name": f"metrics-{i}" if i else "metrics", "containerPort": port, "protocol": "TCP"}
+           for i, port in enumerate(target_metrics_ports(job))],
         "volumeMounts": _mounts(job, data=True),
         "resources": copy.deepcopy(t.get("resources") or {}),
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
+        "securityContext": container_security_context(t.get("securityContext")),
     }
     if t.get("args"):
         target["args"] = list(t["args"])
@@ -333,6 +408,7 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
                 {"name": "fleet-key", "mountPath": FLEET_KEY_DIR, "readOnly": True}],
             "resources": _drafter_resources(job),
             "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
+            "securityContext": container_security_context(d.get("securityContext")),
         })
     labels = {LABEL_NODE: str(node), LABEL_GENERATION: str(generation)}
     manifest: Obj = {
@@ -345,6 +421,7 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
             "serviceAccountName": status_account_name(job),
             "automountServiceAccountToken": True,
             "enableServiceLinks": False,
+            "securityContext": pod_security_context(job),
             "initContainers": init,
             "containers": [target],
             "volumes": _volumes(job) + (_drafter_volumes(job) if drafter_on else []),
@@ -379,9 +456,11 @@ def pods(job: Obj, *, generation: int = 0, drafter_disabled: bool = False, draft
 
 def children(job: Obj, fleet_key: bytes | None = None) -> list[Obj]:
     """Everything but the pods, in creation order; with `fleet_key` (random bytes), its Secret too
-    (only a job with a drafter needs one)."""
+    (only a job with a drafter needs one). The NetworkPolicy is created before any pod, so no pod of
+    the job is reachable without it."""
     key = [fleet_key_secret(job, fleet_key)] if fleet_key is not None and drafter_runs(job) else []
-    return [*status_rbac(job), config_map(job), service(job), *key]
+    policy = [network_policy(job)] if network_policy_enabled(job) else []
+    return [*status_rbac(job), config_map(job), service(job), *policy, *key]
 
 
 def render(job: Obj, *, generation: int = 0, drafter_disabled: bool = False,

@@ -300,6 +300,8 @@ def mps_uid(job: dict) -> int:
 
 
 def _apply_pod_local(pod: dict, job: dict) -> list[dict]:
+    from spectrain_operator.builders import container_security_context
+
     target, drafter = _containers(pod)
     uid = mps_uid(job)
     image = _get(job, "spec", "gpuSharing", "mps", "image", default="") or target.get("image") \
@@ -319,6 +321,9 @@ def _apply_pod_local(pod: dict, job: dict) -> list[dict]:
             "timeoutSeconds": 5,
         },
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+        # Pod Security "restricted" like the other containers: the control daemon needs no
+        # privilege, only the UID its clients share.
+        "securityContext": container_security_context(),
     }
     _mps_volumes(pod)
     init = pod["spec"].setdefault("initContainers", [])

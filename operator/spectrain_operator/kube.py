@@ -25,7 +25,8 @@ from spectrain_operator.status import Event, fmt_time
 Obj = dict[str, Any]
 
 # kind -> plural where lower(kind) + "s" is wrong
-_PLURALS = {"Endpoints": "endpoints", "PodDisruptionBudget": "poddisruptionbudgets"}
+_PLURALS = {"Endpoints": "endpoints", "PodDisruptionBudget": "poddisruptionbudgets",
+            "NetworkPolicy": "networkpolicies"}
 _CORE = "v1"
 
 # The oldest Kubernetes the operator runs against. 1.29: native sidecars (the drafter is an init

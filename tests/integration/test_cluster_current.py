@@ -5,8 +5,12 @@ claims), and the CRD's CEL rules enforced by the server.
 - every file in examples/ and examples/invalid/ is accepted or refused by the server (a dry-run
   create) exactly as `spectrain validate` says without its semantic checks (which only the operator
   and the workloads make);
-- a job of each gpuSharing mode, its pods as the builders make them, is admitted, scheduled onto the
-  fake nodes by kube-scheduler, run by kwok, and reaches Running.
+- a job of each gpuSharing mode, its pods as the builders make them, is admitted in a namespace that
+  enforces Pod Security "restricted", scheduled onto the fake nodes by kube-scheduler, run by kwok,
+  and reaches Running; the pods of every example are admitted there too (a dry-run create), while a
+  pod without the operator's securityContext is refused (the server does enforce the level);
+- a job's NetworkPolicy, read back from the server, selects exactly the job's pods and opens exactly
+  their metrics ports to other namespaces.
 
 The fake nodes carry a NoSchedule taint that only these jobs tolerate: every other pod of the
 suite stays unscheduled, so the tests that play the kubelet (exit codes, restarts) are undisturbed.
@@ -25,15 +29,30 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from spectrain_operator import builders
 from spectrain_operator import spec as specmod
 from tests.integration.fake_cluster import DRA_DRIVER, GPUS_PER_NODE, NODES, TOLERATION, cluster_fixture  # noqa: F401
 from tests.integration.kubeapi import KubeAPI
-from tests.integration.operator_harness import GROUP, PLURAL, VERSION, Env, apply_crd, env_fixture  # noqa: F401
+from tests.integration.operator_harness import GROUP, PLURAL, VERSION, Env, apply_crd, start_env
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
+# The namespace label of Pod Security admission (on by default since Kubernetes 1.25).
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}
+
+
+@pytest.fixture(scope="module", name="env")
+def restricted_env(kube: KubeAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """The operator's namespace enforces Pod Security "restricted": every job below must be admitted there."""
+    if kube.flavor != "current":
+        pytest.skip("Pod Security admission needs Kubernetes >= 1.25 (SPECTRAIN_KUBE=current)")
+    env = start_env(kube, tmp_path_factory.mktemp("operator"), namespace_labels=RESTRICTED)
+    try:
+        yield env
+    finally:
+        env.operator.stop()
 
 
 def _raw_pod(kube: KubeAPI, ns: str, name: str) -> dict[str, Any]:
@@ -172,3 +191,97 @@ def test_the_server_enforces_the_immutability_rules(kube: KubeAPI, crd_namespace
     assert exc.value.status == 422 and "spec.target is immutable" in exc.value.body, exc.value.body
     assert specmod.validate({**doc, "spec": {**doc["spec"], "target": {**doc["spec"]["target"], "steps": 1}}},
                             old=doc, semantic=False)
+
+
+# ------------------------------------------------------------------ Pod Security "restricted"
+
+POD_EXAMPLES = sorted((ROOT / "examples").glob("*.yaml")) + sorted((ROOT / "examples" / "byo").glob("*.yaml"))
+
+
+def _rendered_pods(path: Path, ns: str) -> list[dict[str, Any]]:
+    pods = []
+    for doc in specmod.load_manifests(path):
+        doc["metadata"] = {**(doc.get("metadata") or {}), "namespace": ns}
+        pods += [o for o in builders.render(specmod.defaulted(doc)) if o["kind"] == "Pod"]
+    return pods
+
+
+def _create_pod(kube: KubeAPI, ns: str, pod: dict[str, Any]) -> None:
+    client.CoreV1Api(kube.api_client()).create_namespaced_pod(ns, pod, dry_run="All")
+
+
+def test_the_restricted_namespace_refuses_a_pod_without_the_operators_security_context(kube: KubeAPI,
+                                                                                        env: Env) -> None:
+    # The control for the test below: the server enforces the level, so a pod as the builders made
+    # them before Pod Security was in the API (no securityContext anywhere) is refused, naming what fails.
+    (pod, *_) = _rendered_pods(ROOT / "examples" / "demo.yaml", env.ns)
+    _create_pod(kube, env.ns, pod)
+    pod["spec"].pop("securityContext")
+    for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", []):
+        c.pop("securityContext")
+    with pytest.raises(ApiException) as exc:
+        _create_pod(kube, env.ns, pod)
+    assert exc.value.status == 403, exc.value.body
+    message = json.loads(exc.value.body)["message"]
+    assert 'violates PodSecurity "restricted:latest"' in message, message
+    for what in ("allowPrivilegeEscalation != false", "unrestricted capabilities", "runAsNonRoot != true",
+                 "seccompProfile"):
+        assert what in message, (what, message)
+
+
+@pytest.mark.parametrize("path", POD_EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
+def test_every_examples_pods_are_admitted_under_restricted(kube: KubeAPI, env: Env, path: Path) -> None:
+    pods = _rendered_pods(path, env.ns)
+    assert pods
+    for name in {p["spec"]["priorityClassName"] for p in pods if p["spec"].get("priorityClassName")}:
+        # the Priority admission plugin refuses a pod naming a class that does not exist
+        kube.apply({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name},
+                    "value": 1000})
+    for pod in pods:
+        _create_pod(kube, env.ns, pod)  # a 403 here names the violated check
+
+
+# ------------------------------------------------------------------ the job's NetworkPolicy
+
+def _selected(env: Env, selector: dict[str, Any]) -> set[str]:
+    labels = ",".join(f"{k}={v}" for k, v in selector["matchLabels"].items())
+    assert set(selector) == {"matchLabels"}, selector
+    return {p.metadata.name for p in env.core.list_namespaced_pod(env.ns, label_selector=labels).items}
+
+
+def test_the_jobs_network_policy_selects_exactly_its_pods_and_ports(env: Env) -> None:
+    monitoring = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    env.create(env.manifest("np", {"target": {"procsPerNode": 2, "parallelism": {"data": 2, "pipeline": 2,
+                                                                                  "microbatches": 2}},
+                                   "networkPolicy": {"metricsFrom": monitoring}}))
+    env.create(env.manifest("np-off", {"networkPolicy": {"enabled": False}}))
+    pods = env.wait_pods("np", 2)
+    env.wait_pods("np-off", 2)
+    networking = client.NetworkingV1Api(env.kube.api_client())
+    policy = json.loads(networking.read_namespaced_network_policy("np", env.ns, _preload_content=False).data)
+    with pytest.raises(ApiException) as exc:
+        networking.read_namespaced_network_policy("np-off", env.ns)
+    assert exc.value.status == 404
+    job = env.job("np") or {}
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    # The policy's selector, as the server evaluates it, picks this job's pods and no other's.
+    names = {p["metadata"]["name"] for p in pods}
+    assert _selected(env, spec["podSelector"]) == names
+    own, metrics = spec["ingress"]
+    # Every port from the job's own pods (the same selector: c10d, drafter exchange, gloo/NCCL links)...
+    assert own == {"from": [{"podSelector": spec["podSelector"]}]}
+    assert _selected(env, own["from"][0]["podSelector"]) == names
+    # ...and from metricsFrom's namespaces exactly the ports the pods serve metrics on (each process:
+    # its container's SPECTRAIN_METRICS_PORT + its local rank), none of the c10d or drafter ports.
+    assert metrics["from"] == [{"namespaceSelector": monitoring}]
+    containers = [c for p in pods for c in p["spec"]["containers"] + p["spec"].get("initContainers", [])]
+    served = {int(e["value"]) + rank for c in containers for e in c["env"] if e["name"] == "SPECTRAIN_METRICS_PORT"
+              for rank in range(2)}
+    assert {(r["protocol"], r["port"]) for r in metrics["ports"]} == {("TCP", port) for port in served}
+    declared = {(c["name"], port["name"]): port["containerPort"] for c in containers for port in c.get("ports", [])}
+    assert {v for (c, name), v in declared.items() if name.startswith("metrics")} <= served
+    assert {v for (c, name), v in declared.items() if not name.startswith("metrics")} == {
+        builders.MASTER_PORT, builders.DRAFTER_PORT, builders.DRAFTER_PORT + 1}
+    assert not served & {builders.MASTER_PORT, builders.DRAFTER_PORT, builders.DRAFTER_PORT + 1}

@@ -39,7 +39,8 @@ def test_children_names_labels_and_order() -> None:
     objs = builders.render(job())
     assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
         ("ServiceAccount", "demo-status"), ("Role", "demo-status"), ("RoleBinding", "demo-status"),
-        ("ConfigMap", "demo-config"), ("Service", "demo"), ("Pod", "demo-0"), ("Pod", "demo-1")]
+        ("ConfigMap", "demo-config"), ("Service", "demo"), ("NetworkPolicy", "demo"), ("Pod", "demo-0"),
+        ("Pod", "demo-1")]
     for o in objs:
         assert o["metadata"]["labels"][builders.LABEL_JOB] == "demo"
         assert o["metadata"]["namespace"] == "ns1"
@@ -209,7 +210,7 @@ def test_gpu_and_scheduling_extras_are_created_once_per_job() -> None:
     j = spec.defaulted(spec.load_manifests(ROOT / "examples" / "gpu-dra.yaml")[0])
     objs = builders.render(j)
     extras = [o for o in objs if o["kind"] not in ("ServiceAccount", "Role", "RoleBinding", "ConfigMap",
-                                                   "Service", "Pod")]
+                                                   "Service", "NetworkPolicy", "Pod")]
     assert sorted(o["kind"] for o in extras) == ["PodGroup", "ResourceClaimTemplate"]
     for o in extras:
         assert o["metadata"]["labels"][builders.LABEL_JOB] == "gpu-dra"
@@ -318,3 +319,78 @@ def test_no_default_drafter_memory_limit_in_single_container_mode() -> None:
     j["spec"]["target"]["resources"] = {"limits": {"memory": "16Gi"}}
     p, _ = builders.pod(j, 0)
     assert p["spec"]["containers"][0]["resources"]["limits"]["memory"] == "16Gi"
+
+
+# ---------------------------------------------------------------- Pod Security and NetworkPolicy
+
+def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return pod["spec"]["containers"] + pod["spec"].get("initContainers", [])
+
+
+@pytest.mark.parametrize("mode", ["None", "DRA", "PodLocalMPS", "SingleContainer"])
+def test_every_container_is_restricted_by_default(mode: str) -> None:
+    gpus = 0 if mode == "None" else 1
+    for pod in by_kind(builders.render(job(gpuSharing={"mode": mode, "gpusPerNode": gpus})))["Pod"]:
+        psc = pod["spec"]["securityContext"]
+        assert psc == {"runAsNonRoot": True, "runAsUser": contract.IMAGE_UID, "runAsGroup": contract.IMAGE_GID,
+                       "fsGroup": contract.IMAGE_GID, "fsGroupChangePolicy": "OnRootMismatch",
+                       "seccompProfile": {"type": "RuntimeDefault"}}
+        names = [c["name"] for c in _containers(pod)]
+        assert names == {"None": ["target", "drafter"], "DRA": ["target", "drafter"],
+                         "PodLocalMPS": ["target", "mps-daemon", "drafter"], "SingleContainer": ["target"]}[mode]
+        for c in _containers(pod):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}, c["name"]
+            # nothing on a container undoes the pod's user and seccomp profile
+            assert sc.get("runAsUser", psc["runAsUser"]) == contract.IMAGE_UID
+            assert "runAsNonRoot" not in sc and "seccompProfile" not in sc and "privileged" not in sc
+
+
+def test_security_overrides_replace_their_defaults_field_by_field() -> None:
+    j = job(podSecurityContext={"runAsUser": 2000, "fsGroup": 3000,
+                                "seccompProfile": {"type": "Localhost", "localhostProfile": "spectrain.json"}})
+    j["spec"]["target"]["securityContext"] = {"readOnlyRootFilesystem": True,
+                                              "capabilities": {"add": ["NET_BIND_SERVICE"]}}
+    j["spec"]["drafter"]["securityContext"] = {"runAsUser": 2001}
+    pod = by_kind(builders.render(j))["Pod"][0]
+    assert pod["spec"]["securityContext"] == {
+        "runAsNonRoot": True, "runAsUser": 2000, "runAsGroup": contract.IMAGE_GID, "fsGroup": 3000,
+        "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "Localhost", "localhostProfile": "spectrain.json"}}
+    target, drafter = pod["spec"]["containers"][0], pod["spec"]["initContainers"][0]
+    assert target["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                         "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}
+    assert drafter["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                          "runAsUser": 2001}
+    # the spec is not mutated by the overlay
+    assert j["spec"]["target"]["securityContext"]["capabilities"] == {"add": ["NET_BIND_SERVICE"]}
+
+
+def test_network_policy_selects_the_jobs_pods_and_opens_only_metrics_to_others() -> None:
+    j = job(networkPolicy={"metricsFrom": {"matchLabels": {"team": "obs"}}})
+    j["spec"]["target"].update(procsPerNode=2, parallelism={"data": 2, "pipeline": 2, "microbatches": 2})
+    j["metadata"]["uid"] = "u1"
+    objs = by_kind(builders.render(j))
+    (policy,) = objs["NetworkPolicy"]
+    assert policy["metadata"]["name"] == "demo" and policy["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    own = {"matchLabels": {builders.LABEL_JOB: "demo"}}
+    assert policy["spec"]["podSelector"] == own and policy["spec"]["policyTypes"] == ["Ingress"]
+    for pod in objs["Pod"]:
+        assert own["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    same_job, metrics = policy["spec"]["ingress"]
+    assert same_job == {"from": [{"podSelector": own}]}  # every port: c10d, drafter, gloo/NCCL peer links
+    assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"team": "obs"}}}]
+    # Each process serves its container's SPECTRAIN_METRICS_PORT + local rank; the targets declare theirs.
+    served = {int(env_of(c)["SPECTRAIN_METRICS_PORT"]) + rank for pod in objs["Pod"] for c in _containers(pod)
+              for rank in range(2)}
+    assert served == {p["port"] for p in metrics["ports"]} == set(builders.metrics_ports(j))
+    assert {p["protocol"] for p in metrics["ports"]} == {"TCP"}
+    declared = {p["containerPort"] for pod in objs["Pod"] for p in pod["spec"]["containers"][0]["ports"]
+                if p["name"].startswith("metrics")}
+    assert declared == {builders.TARGET_METRICS_PORT, builders.TARGET_METRICS_PORT + 1} and declared <= served
+    # target and drafter processes share the pod's network namespace: their ranges never overlap
+    assert len(served) == 2 * 2
+    assert builders.DRAFTER_METRICS_PORT >= builders.TARGET_METRICS_PORT + spec.crd()["spec"]["versions"][0][
+        "schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["target"]["properties"]["procsPerNode"]["maximum"]
+    # The default opens metrics to every namespace; disabled, there is no policy at all.
+    assert by_kind(builders.render(job()))["NetworkPolicy"][0]["spec"]["ingress"][1]["from"] == [{"namespaceSelector": {}}]
+    assert "NetworkPolicy" not in by_kind(builders.render(job(networkPolicy={"enabled": False})))

@@ -148,6 +148,7 @@ def test_crd_enums_are_the_contracts() -> None:
     assert crd_enum("target", "model", "preset") == list(contract.TARGET_PRESETS)
     assert crd_enum("drafter", "preset") == list(contract.DRAFTER_PRESETS)
     assert crd_enum("drafter", "arch") == list(contract.DRAFTER_ARCHS)
+    assert crd_enum("drafter", "exchange", "engine") == list(contract.EXCHANGE_ENGINES)
     assert crd_enum("drafter", "activation", "kinds", "[]") == list(contract.WINDOW_KINDS)
     assert crd_enum("target", "parallelism", "schedule") == list(contract.SCHEDULES)
     assert crd_enum("target", "rl", "task") == list(contract.RL_TASKS)

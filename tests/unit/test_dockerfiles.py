@@ -93,3 +93,14 @@ def test_workloads_image_cuda_base_is_a_build_arg_with_cpu_variant() -> None:
     text = WORKLOADS.read_text()
     assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text  # the documented CPU variant
     assert any(op == "ARG" and rest.startswith("TORCH_VERSION=") for op, rest in ins)
+
+
+def test_workloads_image_user_is_the_one_the_pods_run_as() -> None:
+    # The operator's pods default to runAsUser/runAsGroup/fsGroup IMAGE_UID/IMAGE_GID (Pod Security
+    # "restricted"): the image's user must be that one, or its home and files would not be its own.
+    from spectrain_workloads.contract import IMAGE_GID, IMAGE_UID
+
+    ins = instructions(WORKLOADS)
+    args = dict(rest.split("=", 1) for op, rest in ins if op == "ARG" and "=" in rest)
+    assert (args["UID"], args["GID"]) == (str(IMAGE_UID), str(IMAGE_GID))
+    assert [rest for op, rest in ins if op == "USER"][-1] == "${UID}:${GID}"

@@ -45,6 +45,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
     },
     "minimal": {"metrics": {"enabled": False}, "peering": {"enabled": False}, "logging": {"level": "verbose"}},
+    "no-network-policy": {"networkPolicy": {"enabled": False}},
 }
 
 
@@ -185,7 +186,7 @@ def test_default_deployment_is_hardened() -> None:
     assert not by_kind(docs, "PodDisruptionBudget")
     assert not by_kind(docs, "ClusterKopfPeering")
     assert {d["kind"] for d in docs} == {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                                         "Service"}
+                                         "Service", "NetworkPolicy"}
     sa = one(docs, "ServiceAccount")["metadata"]["name"]
     assert pod["serviceAccountName"] == sa
     crb = one(docs, "ClusterRoleBinding")
@@ -256,7 +257,7 @@ def test_features_add_only_their_rules() -> None:
         return {g for r in one(render(values), "ClusterRole")["rules"] for g in r["apiGroups"]}
 
     base = groups({})
-    assert base == {"spectrain.io", "", "rbac.authorization.k8s.io"}
+    assert base == {"spectrain.io", "", "rbac.authorization.k8s.io", "networking.k8s.io"}
     assert groups({"features": {"dra": True}}) - base == {"resource.k8s.io"}
     assert groups({"features": {"gangProviders": ["Volcano"]}}) - base == {"scheduling.volcano.sh"}
     assert groups({"features": {"gangProviders": ["SchedulerPlugins"]}}) - base == {"scheduling.x-k8s.io"}
@@ -287,6 +288,47 @@ def test_everything_variant_applies_overrides() -> None:
     assert pod["tolerations"][0]["key"] == "dedicated"
 
 
+def _policy_ports(policy: dict[str, Any]) -> dict[int, list[dict[str, Any]] | None]:
+    """port -> the peers allowed on it (None: any source)."""
+    out: dict[int, list[dict[str, Any]] | None] = {}
+    for rule in policy["spec"]["ingress"]:
+        for port in rule["ports"]:
+            assert port["protocol"] == "TCP"
+            out[port["port"]] = rule.get("from")
+    return out
+
+
+def test_operator_network_policy_opens_only_its_two_ports() -> None:
+    docs = render({})
+    policy = one(docs, "NetworkPolicy")
+    pod = one(docs, "Deployment")["spec"]["template"]
+    # It selects exactly the operator's pods...
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert policy["spec"]["podSelector"]["matchLabels"] == one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    # ...and opens exactly the ports its container serves: metrics from every namespace, health from anywhere.
+    served = {p["containerPort"] for p in _container(docs)["ports"]}
+    assert _policy_ports(policy) == {9090: [{"namespaceSelector": {}}], 8080: None}
+    assert set(_policy_ports(policy)) == served
+    # Overrides: other ports follow the values, narrowed peers are rendered as given.
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    nodes = [{"ipBlock": {"cidr": "10.0.0.0/8"}}]
+    docs = render({"metrics": {"port": 9102}, "liveness": {"port": 8081},
+                   "networkPolicy": {"metricsFrom": monitoring, "healthFrom": nodes}})
+    assert _policy_ports(one(docs, "NetworkPolicy")) == {9102: monitoring, 8081: nodes}
+    # No metrics: no metrics port; turned off: no policy.
+    assert _policy_ports(one(render(VARIANTS["minimal"]), "NetworkPolicy")) == {8080: None}
+    assert not by_kind(render(VARIANTS["no-network-policy"]), "NetworkPolicy")
+
+
+def test_operator_may_create_network_policies_and_nothing_more_on_them() -> None:
+    for variant in ("default", "namespaced-ha"):
+        for role in by_kind(render(VARIANTS[variant]), "ClusterRole") + by_kind(render(VARIANTS[variant]), "Role"):
+            rules = [r for r in role["rules"] if "networking.k8s.io" in r["apiGroups"]]
+            assert rules == [{"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+                              "verbs": ["create"]}], role["metadata"]
+
+
 def test_minimal_variant_has_no_metrics_objects() -> None:
     docs = render(VARIANTS["minimal"])
     assert not by_kind(docs, "Service") and not by_kind(docs, "ServiceMonitor")
@@ -310,6 +352,8 @@ def test_notes_mention_the_essentials() -> None:
     {"logging": {"format": "xml"}},
     {"podSecurityContext": {"runAsNonRoot": False}},
     {"image": {"digest": "latest"}},
+    {"networkPolicy": {"enabled": "yes"}},
+    {"networkPolicy": {"metricsFrom": [{"namespaceSelectorr": {}}]}},
 ])
 def test_values_schema_rejects(bad: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmError):

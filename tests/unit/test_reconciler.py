@@ -235,10 +235,10 @@ def test_a_new_job_s_first_pass_uses_its_event_body_and_later_passes_read_it() -
     r = Reconciler(kube)  # type: ignore[arg-type]
     try:
         r.trigger(NS, "k", fresh=job())
-        assert reads == [] and len(kube.creates) == 8   # created from the ADDED body: no GET, no pod list
+        assert reads == [] and len(kube.creates) == 9   # created from the ADDED body: no GET, no pod list
         r.trigger(NS, "k")
         assert reads == ["k", "pods"]
-        assert len(kube.creates) == 8                    # nothing twice
+        assert len(kube.creates) == 9                    # nothing twice
     finally:
         r.close()
 

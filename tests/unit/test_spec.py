@@ -127,6 +127,32 @@ CEL_CASES = [
     ({"drafter.export.path": "a/../b"}, "spec.drafter.export.path"),
     ({"drafter.export.path": "/abs"}, "spec.drafter.export.path"),
     ({"drafter.export.path": "..x/.y/z.."}, None),
+    # Pod Security: root, privilege and escalation are refused field by field, naming the fix.
+    ({"podSecurityContext": {"runAsUser": 0}}, "spec.podSecurityContext.runAsUser: 0 (root) is refused"),
+    ({"podSecurityContext": {"runAsNonRoot": False}}, "spec.podSecurityContext.runAsNonRoot: false is refused"),
+    ({"podSecurityContext": {"runAsUser": 2000, "runAsGroup": 0, "fsGroup": 3000, "supplementalGroups": [4],
+                             "seccompProfile": {"type": "Localhost", "localhostProfile": "p.json"}}}, None),
+    ({"podSecurityContext": {"seccompProfile": {"type": "Localhost"}}},
+     "spec.podSecurityContext.seccompProfile.localhostProfile: required"),
+    ({"target.securityContext": {"runAsUser": 0}}, "spec.target.securityContext.runAsUser: 0 (root) is refused"),
+    ({"target.securityContext": {"privileged": True}}, "spec.target.securityContext.privileged: true is refused"),
+    ({"drafter.securityContext": {"allowPrivilegeEscalation": True}},
+     "spec.drafter.securityContext.allowPrivilegeEscalation: true is refused"),
+    ({"drafter.securityContext": {"runAsNonRoot": False}}, "spec.drafter.securityContext.runAsNonRoot: false"),
+    ({"target.securityContext": {"readOnlyRootFilesystem": True, "privileged": False, "runAsUser": 7,
+                                 "capabilities": {"add": ["NET_BIND_SERVICE"], "drop": ["ALL"]}}}, None),
+    ({"gpuSharing": {"mode": "PodLocalMPS", "gpusPerNode": 1, "mps": {"runAsUser": 0}}},
+     "spec.gpuSharing.mps.runAsUser: 0 (root) is refused"),
+    ({"gpuSharing": {"mode": "PodLocalMPS", "gpusPerNode": 1}, "target.securityContext": {"runAsUser": 7}},
+     "spec.gpuSharing.mps.runAsUser: PodLocalMPS runs every container as this one UID"),
+    ({"gpuSharing": {"mode": "PodLocalMPS", "gpusPerNode": 1, "mps": {"runAsUser": 7}},
+      "podSecurityContext": {"runAsUser": 7}, "drafter.securityContext": {"runAsUser": 7}}, None),
+    ({"gpuSharing": {"mode": "SingleContainer", "gpusPerNode": 1}, "drafter.securityContext": {"runAsUser": 7}},
+     "spec.drafter.securityContext: in gpuSharing mode SingleContainer"),
+    ({"gpuSharing": {"mode": "DRA", "gpusPerNode": 1}, "drafter.securityContext": {"runAsUser": 7}}, None),
+    ({"networkPolicy": {"enabled": False}}, None),
+    ({"networkPolicy": {"metricsFrom": {"matchExpressions": [{"key": "team", "operator": "In", "values": ["a"]}]}}},
+     None),
 ]
 
 
@@ -175,7 +201,19 @@ def test_target_and_drafter_are_immutable_but_suspend_run_policy_scheduling_are_
 
 # ------------------------------------------------------------------------- schema and semantics
 
+def test_the_network_policy_is_immutable_the_pod_security_context_is_not() -> None:
+    old = with_spec(**{"target.steps": 10})
+    np = with_spec(**{"target.steps": 10, "networkPolicy": {"enabled": False}})
+    assert spec.validate(np, old=old)[0].startswith("spec.networkPolicy is immutable")
+    assert spec.validate(with_spec(**{"target.steps": 10, "podSecurityContext": {"runAsUser": 5}}), old=old) == []
+
+
 @pytest.mark.parametrize("mutations,expected", [
+    ({"target.securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}},
+     "spec.target.securityContext.capabilities.add[0]: 'SYS_ADMIN' is not one of: NET_BIND_SERVICE"),
+    ({"podSecurityContext": {"seccompProfile": {"type": "Unconfined"}}},
+     "spec.podSecurityContext.seccompProfile.type: 'Unconfined' is not one of"),
+    ({"podSecurityContext": {"sysctls": []}}, "spec.podSecurityContext.sysctls: unknown field"),
     ({"target.nodes": "2"}, "spec.target.nodes: must be an integer"),
     ({"target.nodes": 2.0}, "spec.target.nodes: must be an integer"),
     ({"target.nodes": 10**30}, "spec.target.nodes: must be <="),

@@ -125,6 +125,7 @@ class ExchangeSpec:
     enabled: bool = True
     bandwidth_m_bps: float = 64.0        # bandwidthMBps: MB/s a drafter sends to its peers, at most
     combine_every_seconds: float = 10.0
+    engine: str = "Star"                 # how the replicas' weights are combined (contract.EXCHANGE_ENGINES)
 
 
 @dataclass(kw_only=True)

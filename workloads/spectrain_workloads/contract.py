@@ -28,6 +28,8 @@ PLURAL = "spectrainjobs"
 # ---------------------------------------------------------------- enums (the CRD's enum lists)
 # status.phase of a SpecTrainJob (the operator writes it; the CRD enumerates it)
 PHASES = ("Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+# status.drafter.state (the drafter worker sets it; its Prometheus state gauge enumerates it)
+DRAFTER_STATES = ("Disabled", "Waiting", "Active", "Degraded")
 MODES = ("Pretrain", "RL", "AsyncPipeline")
 PRETRAIN, RL, ASYNC_PIPELINE = MODES
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -35,6 +37,10 @@ INTERLEAVED = "Interleaved1F1B"
 INTERLEAVED_CHUNKS = 2          # model chunks (virtual stages) per rank; API.md has no field for it
 WINDOW_KINDS = ("Bubble", "Communication", "Imbalance", "RolloutTail")
 DRAFTER_ARCHS = ("Eagle", "LM")
+# spec.drafter.exchange.engine: the star through the exporting rank (drafter.fleet, authenticated) or
+# the gloo ring all-reduce on the drafters' own store (drafter.allreduce, unauthenticated transport)
+EXCHANGE_ENGINES = ("Star", "AllReduce")
+STAR, ALLREDUCE = EXCHANGE_ENGINES
 ACTIVATION_POLICIES = ("IdleOnly", "Always", "Off")
 OPTIMIZERS = ("AdamW", "BasisRotation")
 BASIS_GEOMETRIES = ("Bilateral", "Unilateral")
@@ -104,6 +110,10 @@ ENV_POD_IPS = "SPECTRAIN_POD_IPS"
 ENV_DRAFTER_CONTROL = "SPECTRAIN_DRAFTER_CONTROL"
 ANNOTATION_DRAFTER_DISABLED = "spectrain.io/drafter-disabled"
 DEVICES = ("auto", "cpu", "cuda")
+# The workload image's non-root user (workloads/Dockerfile ARG UID/GID): the operator's pods run as it
+# by default (Pod Security "restricted"), and PodLocalMPS's one shared UID defaults to it.
+IMAGE_UID = 1000
+IMAGE_GID = 1000
 
 
 # ---------------------------------------------------------------- the target model's config
@@ -208,6 +218,7 @@ def check_spec(cfg: JobConfig) -> list[str]:
     if not d.exchange.bandwidth_m_bps > 0:
         out.append(f"spec.drafter.exchange.bandwidthMBps: must be > 0 (MB/s a drafter may send to its peers), got "
                    f"{d.exchange.bandwidth_m_bps}; to keep the drafters apart set spec.drafter.exchange.enabled: false")
+    out += _one_of("spec.drafter.exchange.engine", d.exchange.engine, EXCHANGE_ENGINES)
     if not d.exchange.combine_every_seconds >= 1:
         out.append(f"spec.drafter.exchange.combineEverySeconds: must be >= 1, got {d.exchange.combine_every_seconds}")
     out += _data_source_errors(t.data.source)

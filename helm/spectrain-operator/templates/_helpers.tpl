@@ -92,6 +92,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create"]
+# The per-job NetworkPolicy (<job>, owned by the job; spec.networkPolicy.enabled, on by default):
+# created once before the job's pods, create-or-get (409 AlreadyExists is success); the garbage
+# collector deletes it with the job, so no get/update/delete.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create"]
 # The per-job status path: a Role allowing `patch` on the job's own pods and its RoleBinding.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
