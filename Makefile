@@ -54,7 +54,7 @@ lint: $(STAMP) ## ruff
 
 typecheck: $(STAMP) ## mypy on the operator, the ring, the contract, the drafter fleet, the hooks API and the HF targets
 	$(VENV)/bin/mypy --follow-imports=silent operator/spectrain_operator workloads/spectrain_workloads/ring \
-	  workloads/spectrain_workloads/{contract,config,runtime}.py workloads/spectrain_workloads/drafter/{fleet,links,replicas,fleet_records,listener,auth,checks,allreduce}.py
+	  workloads/spectrain_workloads/{contract,config,runtime}.py workloads/spectrain_workloads/drafter/{fleet,links,replicas,fleet_records,listener,auth,checks,allreduce,ring_replicas}.py
 	$(VENV)/bin/mypy --follow-imports=silent workloads/spectrain_workloads/hooks workloads/spectrain_workloads/hf \
 	  workloads/spectrain_workloads/{generate,target/models}.py
 

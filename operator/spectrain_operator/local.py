@@ -236,7 +236,8 @@ def _volume_dirs(pod: dict[str, Any], configmaps: dict[str, dict[str, Any]], run
 
 
 def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Path], master_port: int,
-                   overrides: dict[str, str], pod_ports: dict[str, int], peer_ports: list[int]) -> dict[str, str]:
+                   overrides: dict[str, str], pod_ports: dict[str, int], peer_ports: list[int],
+                   store_port: int = 0) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECTRAIN_", "CUDA_MPS_"))}
     meta = pod["metadata"]
     for item in c.get("env", []):
@@ -257,11 +258,15 @@ def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Pat
         # Pods share one network namespace locally: each pod's drafters get their own block of ports.
         env["SPECTRAIN_DRAFTER_PEERS"] = ",".join(f"127.0.0.1:{p}" for p in peer_ports)
         env["SPECTRAIN_DRAFTER_BIND"] = "127.0.0.1"
+        # engine AllReduce's store: its default port (after the exporting pod's block) may be another pod's here
+        env["SPECTRAIN_DRAFTER_STORE"] = f"127.0.0.1:{store_port}"
     if env.get("SPECTRAIN_METRICS_PORT", "0") != "0":
-        # Pods share one network namespace locally: each gets its own metrics port.
-        if meta["name"] not in pod_ports:
-            pod_ports[meta["name"]] = free_port(exclude={master_port, *pod_ports.values(), *peer_ports})
-        env["SPECTRAIN_METRICS_PORT"] = str(pod_ports[meta["name"]])
+        # Pods share one network namespace locally: each container (target, drafter) of each pod
+        # gets its own metrics port.
+        key = f"{meta['name']}/{c['name']}"
+        if key not in pod_ports:
+            pod_ports[key] = free_port(exclude={master_port, store_port, *pod_ports.values(), *peer_ports})
+        env["SPECTRAIN_METRICS_PORT"] = str(pod_ports[key])
     env["MASTER_ADDR"] = "127.0.0.1"
     env["MASTER_PORT"] = str(master_port)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -292,6 +297,7 @@ def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None
     peer_ports: list[int] = []
     for _ in pods:
         peer_ports.append(free_port_block(procs, exclude={master_port, *(p + i for p in peer_ports for i in range(procs))}))
+    store_port = free_port(exclude={master_port, *(p + i for p in peer_ports for i in range(procs))})
     (run_dir / "logs").mkdir(exist_ok=True)
     for pod in pods:
         vols = _volume_dirs(pod, configmaps, run_dir, shm, builders.fleet_key_name(job))
@@ -304,7 +310,8 @@ def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None
             if not argv:
                 raise SystemExit(f"pod {pod['metadata']['name']} container {c['name']} has no command: "
                                  "the local backend cannot run an image's default entrypoint; set target.command")
-            env = _container_env(c, pod, mounts, master_port, env_overrides or {}, pod_ports, peer_ports)
+            env = _container_env(c, pod, mounts, master_port, env_overrides or {}, pod_ports, peer_ports,
+                                 store_port)
             # The container's /dev/termination-log: a file per container in the run dir.
             term = run_dir / "logs" / f"{pod['metadata']['name']}.{c['name']}.termination-log"
             env.setdefault(ENV_TERMINATION_LOG, str(term))

@@ -17,6 +17,7 @@ import pytest
 from spectrain_workloads.contract import ENV_FLEET_KEY_FILE, ENV_POD_IPS
 from spectrain_workloads.drafter import auth, listener
 from spectrain_workloads.drafter.auth import AuthError, Identity, Session, client_handshake, load_key
+from spectrain_workloads.drafter.fleet_records import STORE_ENV, parse_peers, store_address
 from spectrain_workloads.drafter.links import Frame, Link, Stats, TokenBucket
 from spectrain_workloads.drafter.listener import Server
 from spectrain_workloads.errors import ConfigError
@@ -99,7 +100,7 @@ def test_the_key_file(tmp_path: Path) -> None:
 def test_the_sidecar_needs_a_key_and_the_pods_addresses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from spectrain_workloads.drafter.sidecar import _fleet
 
-    ex = SimpleNamespace(enabled=True, bandwidth_m_bps=64, combine_every_seconds=10)
+    ex = SimpleNamespace(enabled=True, bandwidth_m_bps=64, combine_every_seconds=10, engine="Star")
     cfg = SimpleNamespace(drafter=SimpleNamespace(exchange=ex), target=SimpleNamespace(parallelism=SimpleNamespace(pipeline=1)))
     a, b = free_ports(2)
     monkeypatch.setenv("SPECTRAIN_DRAFTER_PEERS", f"127.0.0.1:{a},127.0.0.1:{b}")
@@ -116,8 +117,30 @@ def test_the_sidecar_needs_a_key_and_the_pods_addresses(tmp_path: Path, monkeypa
     fleet = _fleet(cfg, 0, 2, 1)
     try:
         assert fleet.server.socks[0].getsockname()[0] == "127.0.0.1" and fleet.ident.key == KEY
+        assert fleet.star and fleet.cfg.store is None
     finally:
         fleet.close()
+    # engine AllReduce: the store on the exporting rank's pod, after its drafter ports (one per local rank)
+    ex.engine = "AllReduce"
+    monkeypatch.delenv(STORE_ENV, raising=False)
+    fleet = _fleet(cfg, 0, 2, 1)
+    try:
+        assert not fleet.star and fleet.cfg.store == ("127.0.0.1", b + 1)
+    finally:
+        fleet.close()
+    monkeypatch.setenv(STORE_ENV, "[::1]:7000")
+    fleet = _fleet(cfg, 0, 2, 1)
+    try:
+        assert fleet.cfg.store == ("::1", 7000)
+    finally:
+        fleet.close()
+
+
+def test_the_store_follows_the_exporting_ranks_pod() -> None:
+    peers = parse_peers("a:29600,b:29600", 4, 2)       # two pods of two local ranks
+    assert store_address(peers, 3, 2) == ("b", 29602)   # past b's drafters (29600, 29601)
+    assert store_address(peers, 2, 2) == ("b", 29602)
+    assert store_address(peers, 1, 2) == ("a", 29602)
 
 
 def test_frames_arrive_from_the_authenticated_rank_in_order(server: tuple[Server, Collect]) -> None:

@@ -25,8 +25,9 @@ elsewhere learns it from the round id of the version it receives.
 
 Bounds: a round returns within `2 * timeout_s + rendezvous_s` (a failed attempt, a rendezvous,
 one more attempt); past that it returns what it received, or None, with its work kept for the
-next round. The store is needed only to form a group: while its host is down a formed group goes
-on; a restarted (empty) store is found again and the members start over there as newcomers.
+next round; `interrupt()` (from another thread, at shutdown) ends it within INTERRUPT_S. The store
+is needed only to form a group: while its host is down a formed group goes on; a restarted (empty)
+store is found again and the members start over there as newcomers.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch.distributed as dist
 JOINERS = "joiners"     # store counter: processes that asked to join since the store started
 STORE_ID = "store_id"   # written by the store's host: a new id means a restarted, empty store
 EPOCH = "epoch"         # store key: the newest sealed epoch (a joiner's starting point)
+INTERRUPT_S = 1.0       # longest a rendezvous wait goes without looking at `interrupted`
 
 
 class NoQuorum(RuntimeError):
@@ -95,6 +97,7 @@ class Combiner:
         self.uncredited_s = 0.0                                # own work no version holds yet
         self.sent: _Sent | None = None                         # the last contribution not known combined
         self.announced = False
+        self.interrupted = False   # set by `interrupt` (another thread): rounds end, no new attempt
 
     # ------------------------------------------------------------------ public
     def join(self) -> None:
@@ -121,7 +124,7 @@ class Combiner:
             self.anchor = base
         caught_up: Result | None = None
         deadline = time.monotonic() + 2 * self.timeout_s + self.rendezvous_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.interrupted:
             try:
                 if self.pg is None:
                     got = self._form(deadline)
@@ -143,6 +146,14 @@ class Combiner:
 
     def close(self) -> None:
         self._drop()
+
+    def interrupt(self) -> None:
+        """From another thread: end the round in progress soon (its collective fails: the group is
+        aborted) and start no other; the process is about to leave."""
+        self.interrupted = True
+        pg = self.pg
+        if pg is not None:
+            pg.abort()
 
     # ------------------------------------------------------------------ one round
     def _reduce(self, mine: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> Result | None:
@@ -232,10 +243,18 @@ class Combiner:
             if idx + 1 >= expect:
                 self._seal(e)
             wait = self.join_wait_s if fresh else self.rendezvous_s
-            try:
-                self.store.wait([f"rdv{e}/seal"], timedelta(seconds=max(0.1, min(wait, deadline - time.monotonic()))))
-            except RuntimeError:    # the window is over: close the group with whoever arrived
-                self._seal(e)
+            window_end = time.monotonic() + max(0.1, min(wait, deadline - time.monotonic()))
+            while True:         # in slices of at most INTERRUPT_S, so that `interrupt` is seen
+                try:
+                    self.store.wait([f"rdv{e}/seal"],
+                                    timedelta(seconds=max(0.05, min(INTERRUPT_S, window_end - time.monotonic()))))
+                    break
+                except RuntimeError:
+                    if self.interrupted:
+                        raise TimeoutError("interrupted") from None
+                    if time.monotonic() >= window_end:   # the window is over: close the group with whoever arrived
+                        self._seal(e)
+                        break
             seal = json.loads(self.store.get(f"rdv{e}/seal"))
             if idx < seal["n"]:
                 break
@@ -331,7 +350,7 @@ def apply(model_params: dict[str, torch.Tensor], result: Result) -> None:
     with torch.no_grad():
         for n, p in model_params.items():
             if n in result.params:
-                delta = p - result.base[n] if n in result.base else 0
+                delta = p - result.base[n].to(p.device, p.dtype) if n in result.base else 0
                 p.copy_(result.params[n].to(p.device, p.dtype) + delta)
 
 

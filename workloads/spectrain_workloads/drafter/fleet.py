@@ -21,6 +21,10 @@ drafter that receives version v keeps what it learnt after its contribution left
 or restarts says hello and gets the latest combined version. A missing peer costs nothing: the
 round goes on with whoever contributed, and the peer is taken back when it sends again.
 
+Engine AllReduce (spec.drafter.exchange.engine): the weights go through drafter.allreduce instead
+(drafter.ring_replicas); this fleet then carries samples only, and neither sends nor takes the
+star's weight frames (contrib, combined, hello).
+
 Trust: every connection is authenticated with the job's key (drafter.auth) and everything received
 is checked before use (drafter.checks): samples against the target (`expect`), weights against the
 local model, claimed work against wall time, a combined version only from the coordinator and at
@@ -39,6 +43,7 @@ from typing import Any
 
 import torch
 
+from spectrain_workloads.contract import STAR
 from spectrain_workloads.drafter import checks
 from spectrain_workloads.drafter.auth import Identity, Session
 from spectrain_workloads.drafter.fleet_records import (
@@ -56,6 +61,7 @@ from spectrain_workloads.drafter.fleet_records import (
 from spectrain_workloads.drafter.links import Frame, Link, Rejected, Stats, TokenBucket
 from spectrain_workloads.drafter.listener import Server
 
+WEIGHT_KINDS = ("contrib", "combined", "hello")   # the star's weight frames
 WEIGHTS_CAP_UNKNOWN = 1 << 34    # before the local model exists weights are read past (never kept): a length sanity bound
 WORK_SLACK_S = 2.0               # + one round: a contribution may lag the work it holds by a round (queues)
 HELLO_REANSWER_S = 1.0           # a new connection of a rank may get the same version again after this
@@ -98,6 +104,11 @@ class Fleet:
     def is_coordinator(self) -> bool:
         return self.cfg.rank == self.cfg.coordinator
 
+    @property
+    def star(self) -> bool:
+        """The weights go through this fleet (engine Star), not through drafter.allreduce."""
+        return self.cfg.engine == STAR
+
     def expect(self, params: Mapping[str, torch.Tensor], target: checks.TargetSpec | None = None) -> None:
         """The local model exists: what received weights and samples are checked against (the
         target from the config, else from its shared model config in run_dir)."""
@@ -126,6 +137,8 @@ class Fleet:
         """Whether this rank takes a frame of `kind` from `peer` (before its payload is read)."""
         if "rank" in header and header["rank"] != peer.peer_rank:
             return "rank"
+        if kind in WEIGHT_KINDS and not self.star:
+            return "engine"
         if kind == "sample":
             return ("role" if peer.peer_rank not in self.cfg.sample_sources
                     else "not_ready" if self.target is None else None)
@@ -212,13 +225,14 @@ class Fleet:
     # ------------------------------------------------------------ weights
     def hello(self) -> None:
         """Ask the coordinator for its newest combined version (a drafter that (re)starts)."""
-        if self.is_coordinator:
+        if self.is_coordinator or not self.star:
             return
         nonce = os.urandom(16).hex()
         self.hello_nonces.append(nonce)
         self.last_hello, self.want_hello = time.monotonic(), False
         self._link(self.cfg.coordinator).send(Frame("hello", {"rank": self.cfg.rank, "nonce": nonce}, b""),
                                               latest_only=True)
+        self.stats.add(weight_frames_sent=1)
 
     def resync(self) -> None:
         """Member, between rounds: a version too far ahead was refused: ask for the newest (once a round)."""
@@ -228,12 +242,13 @@ class Fleet:
     def contribute(self, seq: int, params: dict[str, torch.Tensor], work_total_s: float, samples_total: int = 0) -> None:
         """This rank's parameters for the next round, with its window work (and the samples it
         trained on) since it started (the coordinator keeps its own in place)."""
-        if self.is_coordinator:
+        if self.is_coordinator or not self.star:
             return
         header = {"rank": self.cfg.rank, "seq": seq, "work_total_s": work_total_s, "samples_total": samples_total,
                   "incarnation": self.incarnation}
         self._link(self.cfg.coordinator).send(Frame("contrib", header, pack_params(params)), droppable=False,
                                               latest_only=True)
+        self.stats.add(weight_frames_sent=1)
 
     def accept_update(self, new: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]) -> bool:
         """Weights to apply are no larger an update than checks.UPDATE_NORM_FACTOR allows (counted if not)."""
@@ -309,13 +324,16 @@ class Fleet:
             link.drain(timeout_s)
 
     def _broadcast(self, c: Combined, ranks: Any, reply: str | None = None) -> None:
+        if not self.star:
+            return
         header = {"version": c.version, "included": {str(r): s for r, s in c.included.items()}, "work_s": c.work_s}
         frame = Frame("combined", header if reply is None else {**header, "reply": reply}, pack_params(c.params))
-        now = time.monotonic()
         for r in ranks:
             if r != self.cfg.rank:
-                self.answered[r] = ("", c.version, now)
+                # not recorded in `answered`: a round's broadcast is no answer to a hello (a
+                # restarted member refuses a version far ahead of its own unless it answers its hello)
                 self._link(r).send(frame, droppable=False, latest_only=True)
+                self.stats.add(weight_frames_sent=1)
 
     def take_combined(self) -> Combined | None:
         with self.lock:

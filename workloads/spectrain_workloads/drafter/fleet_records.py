@@ -16,6 +16,8 @@ from spectrain_workloads.errors import ConfigError
 
 PEERS_ENV = "SPECTRAIN_DRAFTER_PEERS"
 BIND_ENV = "SPECTRAIN_DRAFTER_BIND"
+# engine AllReduce: the drafters' TCPStore as host:port (tests, local runs); default `store_address`
+STORE_ENV = "SPECTRAIN_DRAFTER_STORE"
 
 
 def parse_peers(text: str, world: int, local_world: int) -> list[tuple[str, int]]:
@@ -32,6 +34,22 @@ def parse_peers(text: str, world: int, local_world: int) -> list[tuple[str, int]
             raise ConfigError(f"{PEERS_ENV}: {n!r} is not host:port")
         out += [(host.removeprefix("[").removesuffix("]"), int(port) + i) for i in range(local_world)]
     return out
+
+
+def store_address(addresses: list[tuple[str, int]], export_rank: int, local_world: int) -> tuple[str, int]:
+    """Where the exporting rank's drafter hosts the drafters' TCPStore (engine AllReduce): its pod's
+    host, at the port after that pod's drafter ports (base + LOCAL_WORLD_SIZE), so one store per job
+    and never a port a drafter of any pod listens on."""
+    host, port = addresses[export_rank]
+    return host, port - export_rank % local_world + local_world
+
+
+def parse_store(text: str) -> tuple[str, int]:
+    """STORE_ENV's `host:port` (IPv6 hosts in brackets)."""
+    host, _, port = text.strip().rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"{STORE_ENV}: {text!r} is not host:port")
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 @dataclass
@@ -86,6 +104,8 @@ class FleetConfig:
     target: checks.TargetSpec | None = None                      # default: read from run_dir at `expect`
     run_dir: str | None = None
     mac: bool = True                  # False: bench-fleet's measurement of the MACs' cost only
+    engine: str = "Star"              # contract.EXCHANGE_ENGINES: AllReduce sends no weights through the star
+    store: tuple[str, int] | None = None   # AllReduce: the drafters' TCPStore (`store_address`)
 
     def __post_init__(self) -> None:
         P = self.pipeline
@@ -111,5 +131,5 @@ def unpack_params(data: bytes) -> dict[str, torch.Tensor]:
     return dict(st_load(data))
 
 
-__all__ = ["BIND_ENV", "Combined", "Contribution", "Credit", "FleetConfig", "PEERS_ENV", "pack_params", "parse_peers",
-           "raw_bytes", "unpack_params"]
+__all__ = ["BIND_ENV", "Combined", "Contribution", "Credit", "FleetConfig", "PEERS_ENV", "STORE_ENV", "pack_params",
+           "parse_peers", "parse_store", "raw_bytes", "store_address", "unpack_params"]

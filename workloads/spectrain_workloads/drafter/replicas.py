@@ -6,6 +6,9 @@ it snapshots the trainable parameters and sends them with the window work done s
 contribution; the coordinator averages instead and tells the worker to export. A combined version
 is applied keeping the local progress made since the contribution it holds (`ModelSync`). Work
 (seconds, samples) counts as reaching the export once a combined version holds it.
+
+Engine AllReduce (spec.drafter.exchange.engine): drafter.ring_replicas.RingReplicas, the same
+interface over drafter.allreduce; `make_replicas` picks by the fleet's configuration.
 """
 
 from __future__ import annotations
@@ -70,7 +73,24 @@ class Replicas:
         self.export_work_by_rank: dict[int, float] = {}    # coordinator: every rank's work in the exports
         self._last_round = 0.0
 
-    def start(self, model: torch.nn.Module, samples_trained: int, version: int) -> None:
+    @property
+    def joins_untrained(self) -> bool:
+        """The coordinator combines from the start (the members' work reaches the export only through
+        it); a member contributes once it has trained."""
+        return self.fleet.is_coordinator
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.fleet.is_coordinator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}          # the coordinator's versions are the worker's checkpoint versions
+
+    def close(self) -> None:
+        pass
+
+    def start(self, model: torch.nn.Module, samples_trained: int, version: int,
+              state: dict[str, Any] | None = None) -> None:
         """The trainer exists (fresh or resumed): track its parameters, ask for the newest version."""
         self.sync = ModelSync(model)
         self.fleet.expect(self.sync.params)           # what peers' weights and samples are checked against
@@ -146,7 +166,17 @@ class Replicas:
                 "samplesShared": st.get("samples_shared", 0), "samplesFromPeers": st.get("samples_received", 0),
                 "exchangeBytesSent": st.get("sent_bytes", 0), "exchangeBytesReceived": st.get("received_bytes", 0),
                 "exchangeFramesDropped": st.get("dropped", 0) + st.get("inbox_dropped", 0),
-                "exchangeRejected": sum(rejected.values()), "exchangeRejectedByCause": rejected}
+                "exchangeRejected": sum(rejected.values()), "exchangeRejectedByCause": rejected,
+                "weightFramesSent": st.get("weight_frames_sent", 0)}
 
 
-__all__ = ["FINAL_ROUND_S", "ModelSync", "Replicas"]
+def make_replicas(fleet: Fleet, rank: int, log: Callable[..., None]) -> Any:
+    """The replicas' side for the fleet's engine: Replicas (Star) or ring_replicas.RingReplicas (AllReduce)."""
+    if fleet.star:
+        return Replicas(fleet, rank, log)
+    from spectrain_workloads.drafter.ring_replicas import RingReplicas
+
+    return RingReplicas(fleet, rank, log)
+
+
+__all__ = ["FINAL_ROUND_S", "ModelSync", "Replicas", "make_replicas"]
