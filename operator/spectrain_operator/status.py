@@ -41,7 +41,6 @@ Obj = dict[str, Any]
 
 MAX_BACKOFF_S = 3600.0
 TERMINAL = ("Succeeded", "Failed")
-DRAFTER_STATES = ("Disabled", "Waiting", "Active", "Degraded")
 
 
 @dataclass(frozen=True)

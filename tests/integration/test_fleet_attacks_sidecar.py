@@ -11,13 +11,20 @@ import json
 import os
 import signal
 import socket
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
-from spectrain_workloads.contract import ENV_FLEET_KEY_FILE, ENV_JOB_UID, ENV_RESTART_GENERATION
+from spectrain_workloads.contract import (
+    ENV_FLEET_KEY_FILE,
+    ENV_JOB_UID,
+    ENV_METRICS_PORT,
+    ENV_RESTART_GENERATION,
+)
 from spectrain_workloads.drafter.auth import Identity, client_handshake
 from spectrain_workloads.drafter.export import load_drafter
 from spectrain_workloads.drafter.fleet_records import pack_params
@@ -31,7 +38,7 @@ pytestmark = pytest.mark.integration
 WORLD, COORDINATOR, UID = 2, 1, "attacked-job"
 
 
-def _pods(root: Path, key: bytes, ports: list[int]) -> list[Pod]:
+def _pods(root: Path, key: bytes, ports: list[int], metrics_ports: list[int]) -> list[Pod]:
     (root / "fleet.key").write_text(key.hex())
     target = {"nodes": WORLD, "parallelism": {"data": 1, "pipeline": 2, "microbatches": 2}}
     drafter = {"activation": {"safetyMarginMs": 1}, "exchange": {"combineEverySeconds": 1}}
@@ -39,8 +46,16 @@ def _pods(root: Path, key: bytes, ports: list[int]) -> list[Pod]:
                 settings={"checkpoint_every_s": 1.0, "verify_every_s": 1.0, "samples_per_step": 4},
                 env={"RANK": str(r), "WORLD_SIZE": str(WORLD), "SPECTRAIN_DRAFTER_PEERS":
                      ",".join(f"127.0.0.1:{p}" for p in ports), "SPECTRAIN_DRAFTER_BIND": "127.0.0.1",
-                     ENV_FLEET_KEY_FILE: str(root / "fleet.key"), ENV_JOB_UID: UID, ENV_RESTART_GENERATION: "0"})
+                     ENV_FLEET_KEY_FILE: str(root / "fleet.key"), ENV_JOB_UID: UID, ENV_RESTART_GENERATION: "0",
+                     ENV_METRICS_PORT: str(metrics_ports[r])})
             for r in range(WORLD)]
+
+
+def _rejected_metric(port: int) -> dict[str, float]:
+    """spectrain_drafter_exchange_rejected_total by cause, scraped from a sidecar's Prometheus endpoint."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {s.labels["cause"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == "spectrain_drafter_exchange_rejected_total"}
 
 
 def _send(port: int, key: bytes, rank: int, to: int, frames: list[tuple[str, dict[str, Any], bytes]]) -> None:
@@ -69,8 +84,9 @@ def _finite(model: torch.nn.Module) -> bool:
 
 
 def test_sidecars_under_attack_stay_up_and_export_finite(tmp_path: Path) -> None:
-    key, ports = os.urandom(32), free_ports(WORLD)
-    pods = _pods(tmp_path, key, ports)
+    key, free = os.urandom(32), free_ports(2 * WORLD)
+    ports, metrics_ports = free[:WORLD], free[WORLD:]
+    pods = _pods(tmp_path, key, ports, metrics_ports)
     targets = _targets(pods)
     for pod in pods:
         pod.start_drafter()
@@ -123,6 +139,10 @@ def test_sidecars_under_attack_stay_up_and_export_finite(tmp_path: Path) -> None
                     and c0.get("update_norm", 0) >= 1 and s1.get("combinedVersion", 0) >= at + 2
                     and s0.get("combinedVersion", 0) > at and s1["exportWorkSecondsByRank"].get("0", 0) > 0)
         _drive(targets, pods, refused_and_going_on, "rank 0's refusals counted, two more rounds with both")
+        # what a platform team's Prometheus sees (its summary is the same figures, a moment later)
+        _drive(targets, pods, lambda: _rejected_metric(metrics_ports[0]).get("nonfinite", 0) >= 40,
+               "the refusals on rank 0's Prometheus endpoint")
+        assert _rejected_metric(metrics_ports[0]).get("token", 0) >= 10
     finally:
         for pod in pods:
             if pod.proc is not None and pod.proc.poll() is None:

@@ -5,7 +5,9 @@ SPECTRAIN_EXPORT_DIR, SPECTRAIN_DRAFTER_ENABLED, SPECTRAIN_DEVICE, RANK, WORLD_S
 LOCAL_WORLD_SIZE, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE / CUDA_MPS_PINNED_DEVICE_MEM_LIMIT.
 Drafter-only knobs (tests, benchmarks): SPECTRAIN_DRAFTER_SETTINGS (JSON overrides of
 DrafterSettings), SPECTRAIN_DRAFTER_EXPORT_RANK (which rank exports; default WORLD_SIZE-1, a
-last-stage rank under both rank orders), SPECTRAIN_DRAFTER_THREADS (CPU threads, default 1).
+last-stage rank under both rank orders), SPECTRAIN_DRAFTER_THREADS (CPU threads, default 1),
+SPECTRAIN_DRAFTER_STORE (engine AllReduce: the drafters' store as host:port; default the exporting
+rank's pod at its first drafter port + LOCAL_WORLD_SIZE).
 
 One worker per local rank follows ring file `ring-<i>`: in this process for one local rank,
 else in one spawned process each. A disabled drafter (SPECTRAIN_DRAFTER_ENABLED=0, drafter.enabled
@@ -201,11 +203,8 @@ def _memory_cap(device: Any) -> int | None:
 
 def run_worker(local_rank: int, stop: Any = None) -> int:
     """Run the worker of one local rank until `stop` (a threading/multiprocessing Event) is set."""
-    import torch
-
     from spectrain_workloads import config
     from spectrain_workloads.contract import require_valid
-    from spectrain_workloads.drafter.worker import Worker
 
     stop = stop or threading.Event()
     cfg = config.load()
@@ -217,12 +216,45 @@ def run_worker(local_rank: int, stop: Any = None) -> int:
         raise ConfigError("SPECTRAIN_RING_DIR and SPECTRAIN_RUN_DIR must be set (the operator or `spectrain run` "
                           "sets them to the ring and checkpoint volumes)")
     rank = _env_int("RANK", 0) + local_rank
+    prometheus, server = _prometheus(rank, local_rank)
+    try:
+        return _run_worker(cfg, settings, local_rank, rank, Path(run_dir), Path(ring_dir), stop, prometheus)
+    finally:
+        if server is not None:
+            from spectrain_workloads.drafter.prometheus import stop as stop_server
+            stop_server(server)
+
+
+def _prometheus(rank: int, local_rank: int) -> tuple[Any, Any]:
+    """The drafter's Prometheus endpoint on SPECTRAIN_METRICS_PORT + local rank (0 or unset: none).
+    A port that cannot be bound costs the metrics, never the drafter: said on stderr."""
+    from spectrain_workloads.contract import ENV_METRICS_PORT
+    from spectrain_workloads.drafter.prometheus import DrafterCollector, serve
+
+    base = _env_int(ENV_METRICS_PORT, 0)
+    if base <= 0:
+        return None, None
+    collector = DrafterCollector(rank)
+    try:
+        return collector, serve(collector, base + local_rank)
+    except OSError as exc:
+        print(f"spectrain-drafter: rank {rank}: no Prometheus metrics: port {base + local_rank}: {exc}",
+              file=sys.stderr, flush=True)
+        return None, None
+
+
+def _run_worker(cfg: Any, settings: Any, local_rank: int, rank: int, run_dir: Path, ring_dir: Path, stop: Any,
+                prometheus: Any) -> int:
+    import torch
+
+    from spectrain_workloads.drafter.worker import Worker
+
     control = DrafterControl.from_env()
     if control.disabled():      # before the device, the ring, the fleet or a model
-        return idle_disabled(Path(run_dir), rank, settings, stop)
+        return idle_disabled(run_dir, rank, settings, stop, prometheus)
     world = _env_int("WORLD_SIZE", 1)
     export_rank = _env_int("SPECTRAIN_DRAFTER_EXPORT_RANK", world - 1)
-    export_dir = Path(os.environ.get("SPECTRAIN_EXPORT_DIR") or Path(run_dir) / cfg.drafter.export.path)
+    export_dir = Path(os.environ.get("SPECTRAIN_EXPORT_DIR") or run_dir / cfg.drafter.export.path)
     device = _device(local_rank)
     if device.type == "cpu":
         torch.set_num_threads(_env_int("SPECTRAIN_DRAFTER_THREADS", 1))
@@ -230,9 +262,10 @@ def run_worker(local_rank: int, stop: Any = None) -> int:
     if not enabled:
         settings.policy = "Off"
     fleet = _fleet(cfg, rank, world, export_rank) if settings.policy != "Off" else None
-    worker = Worker(settings=settings, rank=rank, ring_path=Path(ring_dir) / f"ring-{local_rank}",
-                    run_dir=Path(run_dir), export_dir=export_dir if rank == export_rank else None,
-                    device=device, stop=stop, memory_cap_bytes=_memory_cap(device), fleet=fleet, control=control)
+    worker = Worker(settings=settings, rank=rank, ring_path=ring_dir / f"ring-{local_rank}",
+                    run_dir=run_dir, export_dir=export_dir if rank == export_rank else None,
+                    device=device, stop=stop, memory_cap_bytes=_memory_cap(device), fleet=fleet, control=control,
+                    prometheus=prometheus)
     try:
         return worker.run()
     finally:
@@ -240,7 +273,7 @@ def run_worker(local_rank: int, stop: Any = None) -> int:
             fleet.close()
 
 
-def idle_disabled(run_dir: Path, rank: int, settings: Any, stop: Any) -> int:
+def idle_disabled(run_dir: Path, rank: int, settings: Any, stop: Any, prometheus: Any = None) -> int:
     """Disabled by the operator from the start: say so in the summary, then wait for SIGTERM (the ring
     stays closed, so the target's back channel keeps the last state an earlier incarnation wrote)."""
     from spectrain_workloads.drafter.metrics import write_summary
@@ -249,6 +282,8 @@ def idle_disabled(run_dir: Path, rank: int, settings: Any, stop: Any) -> int:
           flush=True)
     summary = {"state": "Disabled", "reason": REASON_DISABLED, "policy": settings.policy, "arch": settings.arch}
     write_summary(run_dir, rank, {**summary, "updatedAt": time.time()}, flush=True)
+    if prometheus is not None:
+        prometheus.update(summary)
     while not stop.wait(CONTROL_EVERY_S):
         pass
     return 0
@@ -259,6 +294,7 @@ def _fleet(cfg: Any, rank: int, world: int, export_rank: int) -> Any:
     It listens on the pod's own addresses (ENV_POD_IPS, one socket per family; BIND_ENV overrides,
     comma-separated), never on every interface, and authenticates with the job's key."""
     from spectrain_workloads.contract import (
+        ALLREDUCE,
         ENV_FLEET_KEY_FILE,
         ENV_JOB_UID,
         ENV_POD_IPS,
@@ -266,6 +302,7 @@ def _fleet(cfg: Any, rank: int, world: int, export_rank: int) -> Any:
     )
     from spectrain_workloads.drafter.auth import load_key
     from spectrain_workloads.drafter.fleet import BIND_ENV, PEERS_ENV, Fleet, FleetConfig, parse_peers
+    from spectrain_workloads.drafter.fleet_records import STORE_ENV, parse_store, store_address
 
     ex = cfg.drafter.exchange
     peers = os.environ.get(PEERS_ENV, "")
@@ -275,9 +312,15 @@ def _fleet(cfg: Any, rank: int, world: int, export_rank: int) -> Any:
     if not binds:
         raise ConfigError(f"neither {BIND_ENV} nor {ENV_POD_IPS} is set: the drafter exchange listens on the pod's "
                           f"own addresses only (the operator sets {ENV_POD_IPS} from status.podIPs)")
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
+    addresses = parse_peers(peers, world, local_world)
+    store = None
+    if ex.engine == ALLREDUCE:    # the weights through the ring, on the store the exporting rank's drafter hosts
+        override = os.environ.get(STORE_ENV, "")
+        store = parse_store(override) if override else store_address(addresses, export_rank, local_world)
     return Fleet(FleetConfig(
         rank=rank, world=world, pipeline=cfg.target.parallelism.pipeline, coordinator=export_rank,
-        addresses=parse_peers(peers, world, _env_int("LOCAL_WORLD_SIZE", 1)),
+        addresses=addresses, engine=ex.engine, store=store,
         key=load_key(os.environ.get(ENV_FLEET_KEY_FILE)), job_uid=os.environ.get(ENV_JOB_UID, ""),
         generation=_env_int(ENV_RESTART_GENERATION, 0), bind_hosts=binds,
         bandwidth_bytes_per_s=ex.bandwidth_m_bps * 1e6, combine_every_s=ex.combine_every_seconds,

@@ -19,6 +19,8 @@ decides. A rejected candidate is logged (`export_rejected`) and counted (`export
 Export versions are checkpoint versions, and on the exporting rank those start above the export
 root's high-water mark (export.export_high_water): a restart that lost its checkpoints never
 reuses a number, and the fleet's combined versions (the coordinator's) move forward with them.
+With engine AllReduce the ring numbers its versions itself (`combinedVersion`, kept in the
+checkpoint to rejoin from); the exporting rank still exports them under its own checkpoint numbers.
 
 Disabled by the operator (`control`, sidecar.DrafterControl): checked at most every CONTROL_EVERY_S
 in the loops; the worker then drops its work, model, optimizer and samples, says Disabled on the
@@ -59,7 +61,7 @@ from spectrain_workloads.drafter.gating import (
 )
 from spectrain_workloads.drafter.metrics import NO_WINDOW, Metrics, write_summary
 from spectrain_workloads.drafter.models import TargetShared, load_target_shared, shared_stamp
-from spectrain_workloads.drafter.replicas import Replicas
+from spectrain_workloads.drafter.replicas import make_replicas
 from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.drafter.train import DrafterTrainer
 from spectrain_workloads.drafter.verify import Acceptance
@@ -100,7 +102,7 @@ class Worker:
     def __init__(self, *, settings: DrafterSettings, rank: int, ring_path: Path, run_dir: Path,
                  export_dir: Path | None, device: torch.device, stop: threading.Event,
                  memory_cap_bytes: int | None = None, ring_wait_s: float = 1.0, fleet: Fleet | None = None,
-                 control: Any = None) -> None:
+                 control: Any = None, prometheus: Any = None) -> None:
         self.s, self.rank, self.ring_path, self.run_dir = settings, rank, ring_path, run_dir
         self.export_dir, self.device, self.stop = export_dir, device, stop
         self.memory_cap_bytes = memory_cap_bytes
@@ -117,7 +119,8 @@ class Worker:
         self.combiner = BatchCombiner(max_micro_batch=settings.max_micro_batch,
                                       samples_per_step=settings.samples_per_step, cost=self.cost)
         self.metrics = Metrics(run_dir / "metrics" / f"drafter-rank-{rank}.jsonl", kinds=settings.kinds)
-        self.replicas = Replicas(fleet, rank, log=self.metrics.log) if fleet is not None else None
+        # weights through the fleet's star or the ring (spec.drafter.exchange.engine): one interface
+        self.replicas = make_replicas(fleet, rank, self.metrics.log) if fleet is not None else None
         self.ckpt_root = ex.checkpoint_root(run_dir, rank)
         self.trainer: DrafterTrainer | None = None
         self.consumer: Any = None
@@ -136,6 +139,7 @@ class Worker:
         self._due_since: float | None = None       # since when a measurement is due (data, no window yet)
         self.control = control               # sidecar.DrafterControl: has the operator disabled this drafter?
         self.disabled_by_operator = False
+        self.prometheus = prometheus         # drafter.prometheus.DrafterCollector: every summary, as metrics
         self._fleet_summary: dict[str, Any] = {}
         # the export gate (exporting rank): the checkpoint waiting for its verdict, the last exported
         # version's acceptance length (the reference of the floor), rejections
@@ -206,6 +210,7 @@ class Worker:
         if self.fleet is not None:
             self.fleet.close()               # out of the exchange: peers go on without this rank
         if self.replicas is not None:        # it holds the model's parameters: keep only its figures
+            self.replicas.close()
             self._fleet_summary = self.replicas.summary()
             self.replicas = None
         self.candidate = None
@@ -262,6 +267,8 @@ class Worker:
             self._publish()
             self._summary(flush=True)
         finally:
+            if self.replicas is not None:
+                self.replicas.close()             # the ring's thread ends before the process does
             self.metrics.close()
             if self.consumer is not None:
                 self.consumer.close()
@@ -309,6 +316,9 @@ class Worker:
             self.cost.load_state_dict(resumed.get("cost", {}))
             self.tracker.load_state_dict(resumed.get("tracker", {}))
             self.metrics.load_state_dict(resumed.get("metrics", {}))
+            if self.prometheus is not None:      # the checkpoint's totals are not this process's work
+                self.prometheus.baseline({**self.metrics.summary(), "samplesTrained": self.combiner.samples_trained,
+                                          "optimizerSteps": self.combiner.optimizer_steps})
             self.steps_at_ckpt = self.combiner.optimizer_steps
             self.artifact = resumed.get("artifact", "")
         if self.export_dir is not None:
@@ -316,7 +326,8 @@ class Worker:
             self.version = max(self.version, ex.export_high_water(self.export_dir))
         self.trainer = trainer
         if self.replicas is not None:
-            self.replicas.start(trainer.model, self.combiner.samples_trained, self.version)
+            self.replicas.start(trainer.model, self.combiner.samples_trained, self.version,
+                                state=(resumed or {}).get("fleet"))
         self.metrics.log("setup", resumed_version=resumed and int(resumed["version"]), version=self.version,
                          setup_ns=time.monotonic_ns() - t0)
 
@@ -581,7 +592,7 @@ class Worker:
         members' work reaches the export only through it, even when its own windows fit nothing
         (its own parameters then weigh nothing: fleet.combine weights by work)."""
         assert self.replicas is not None
-        return self.combiner.optimizer_steps > 0 or self.replicas.fleet.is_coordinator
+        return self.combiner.optimizer_steps > 0 or self.replicas.joins_untrained
 
     def _checkpoint(self, why: str) -> None:
         tr = self.trainer
@@ -595,7 +606,8 @@ class Worker:
                 "loss_weights": {"hidden": self.s.hidden_loss_weight, "ce": self.s.ce_loss_weight}}
         state = {"settings": self.s.to_dict(), "combiner": self.combiner.state_dict(),
                  "cost": self.cost.state_dict(), "tracker": self.tracker.state_dict(),
-                 "metrics": self.metrics.state_dict(), "artifact": self.artifact, **tr.state_dict(), **meta}
+                 "metrics": self.metrics.state_dict(), "artifact": self.artifact, **tr.state_dict(), **meta,
+                 "fleet": self.replicas.state_dict() if self.replicas is not None else {}}
         path = ex.save_checkpoint(self.ckpt_root, self.version, tr.model, tr.optimizer, state,
                                   keep=self.s.keep_checkpoints)
         self.steps_at_ckpt = self.combiner.optimizer_steps
@@ -707,4 +719,7 @@ class Worker:
         }
 
     def _summary(self, flush: bool = False) -> None:
-        write_summary(self.run_dir, self.rank, self.summary(), flush=flush)
+        summary = self.summary()
+        write_summary(self.run_dir, self.rank, summary, flush=flush)
+        if self.prometheus is not None:
+            self.prometheus.update(summary)
