@@ -4,7 +4,8 @@ Layout (docs/contracts.md): `$RUN_DIR/target/rank-<r>/step-<N>/state.pt`. A chec
 into a hidden temp dir next to it, fsynced, then renamed: a reader sees either no step-<N> or a
 complete one, never half a file. `state.pt` holds what resuming bitwise needs: the stage's
 weights, the optimizer state, every RNG state (torch CPU/CUDA, numpy, python) and the loader's
-position.
+position, as tensors and plain data only: it is read with `torch.load(weights_only=True)`, so a
+file that names code to run is refused (`CheckpointRefused`), never executed.
 
 Ranks agree on the step to resume from with one MIN all-reduce at start-up (before training, so
 it cannot change any step's maths): a crash between two ranks' saves leaves them at different
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -29,6 +31,10 @@ import numpy as np
 import torch
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointRefused(RuntimeError):
+    """A checkpoint file that a weights-only load refuses (it names code to run)."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -54,8 +60,11 @@ def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                             "python": random.getstate()}
+    """Every RNG's state as tensors and plain data (what `torch.load(weights_only=True)` reads)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)),
+                                       "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -63,7 +72,9 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -124,7 +135,15 @@ class CheckpointManager:
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {path} is missing; the ranks' checkpoints disagree "
                                     "(raise checkpoint.keep or clear the run directory)")
-        return torch.load(path, map_location="cpu", weights_only=False)
+        # weights_only: tensors and plain data only. The run volume is shared with the drafter
+        # container; a full unpickler would run whatever code a file there names.
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointRefused(
+                f"checkpoint {path} holds objects other than tensors and plain data, so it is not loaded "
+                f"(loading it could run code): {str(exc).splitlines()[0]}. Delete the step directory "
+                f"{path.parent} to resume from the one before, or clear the run directory") from exc
 
 
 def save_shared(run_dir: str | os.PathLike[str], *, embedding: torch.Tensor | None = None,
