@@ -13,14 +13,16 @@ QUICK ?=
 PYTEST_ARGS ?=
 KUBE_CACHE ?= $(HOME)/.cache/spectrain/kube
 BENCHES := $(sort $(basename $(notdir $(filter-out bench/__init__.py bench/common.py,$(wildcard bench/*.py)))))
+BENCH_ALIASES := $(subst _,-,$(foreach b,$(BENCHES),$(if $(findstring _,$(b)),$(b))))   # bench-fleet-scale = bench-fleet_scale
 
 .DEFAULT_GOAL := help
 .PHONY: help install test test-unit test-integration test-e2e lint typecheck verify demo demo-rl demo-hf \
-        kube-binaries kube-binaries-legacy crds docs clean gpu-check gate-replay $(BENCHES:%=bench-%)
+        kube-binaries kube-binaries-legacy crds docs clean gpu-check gate-replay $(BENCHES:%=bench-%) \
+        $(BENCH_ALIASES:%=bench-%)
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 22
-	@printf '%-22sbench/<name>.py (QUICK=1: the <60 s version) -> bench/results/<name>.json\n' 'bench-<name>'
+	@printf '%-22sbench/<name>.py (QUICK=1: the <60 s version) -> bench/results/<name>.json; - for _ works too\n' 'bench-<name>'
 	@printf '%-22s%s\n' '' '$(BENCHES:%=bench-%)'
 
 $(STAMP): pyproject.toml
@@ -85,8 +87,8 @@ gate-replay: $(STAMP) ## what other gate confidences / margins would harvest of 
 	$(PY) scripts/gate_replay.py $(RUN) --rank $(RANK)
 
 # Explicit targets, not a pattern rule: GNU make never applies a pattern rule to a phony target.
-$(BENCHES:%=bench-%): bench-%: $(STAMP)
-	$(PY) -m bench.$* $(if $(QUICK),--quick,)
+$(BENCHES:%=bench-%) $(BENCH_ALIASES:%=bench-%): bench-%: $(STAMP)
+	$(PY) -m bench.$(subst -,_,$*) $(if $(QUICK),--quick,)
 
 # On a lent GPU machine: its own python3 and torch, no venv, nothing installed (GPU_PY overrides).
 GPU_PY ?= python3
