@@ -51,6 +51,10 @@ DATA_ROOT = "/var/run/spectrain/data"
 MASTER_PORT = 29500
 TARGET_METRICS_PORT = 9400
 DRAFTER_METRICS_PORT = 9464   # past the targets' 9400 + local rank (procsPerNode <= 64, the CRD's maximum)
+# Names of the metrics container ports (local rank 0: the bare name, i > 0: `<name>-<i>`), which the
+# chart's PodMonitor selects by; container port names are at most 15 characters and unique in a pod.
+TARGET_METRICS_PORT_NAME = "metrics"
+DRAFTER_METRICS_PORT_NAME = "dmetrics"
 DRAFTER_PORT = 29600       # the drafters' exchange (drafter.fleet); local rank i listens on + i
 # The drafter's downward-API file of its pod's annotations (kubelet format: one `key="value"` line
 # each): the operator disables a drafter in place by annotating its pod (ANNOTATION_DRAFTER_DISABLED).
@@ -205,6 +209,18 @@ def metrics_ports(job: Obj) -> list[int]:
 
 def target_metrics_ports(job: Obj) -> list[int]:
     return [TARGET_METRICS_PORT + i for i in range(int(job["spec"]["target"]["procsPerNode"]))]
+
+
+def port_name(name: str, local_rank: int) -> str:
+    """The container port name of local rank `local_rank`'s port in a series named `name`."""
+    return f"{name}-{local_rank}" if local_rank else name
+
+
+def metrics_container_ports(job: Obj, name: str, base: int) -> list[Obj]:
+    """Named container ports `name`, `name-1`, ... at `base` + local rank: Prometheus' pod discovery
+    sees only declared ports, and a PodMonitor picks them by name."""
+    return [{"name": port_name(name, i), "containerPort": base + i, "protocol": "TCP"}
+            for i in range(int(job["spec"]["target"]["procsPerNode"]))]
 
 
 def network_policy_enabled(job: Obj) -> bool:
@@ -383,8 +399,7 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
         "command": list(t.get("command") or TARGET_COMMAND),
         "env": _env(job, node, drafter_on, TARGET_METRICS_PORT) + copy.deepcopy(t.get("env") or []),
         "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}]
-        + [{"name": f"metrics-{i}" if i else "metrics", "containerPort": port, "protocol": "TCP"}
-           for i, port in enumerate(target_metrics_ports(job))],
+        + metrics_container_ports(job, TARGET_METRICS_PORT_NAME, TARGET_METRICS_PORT),
         "volumeMounts": _mounts(job, data=True),
         "resources": copy.deepcopy(t.get("resources") or {}),
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
@@ -401,8 +416,9 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
             "restartPolicy": "Always",
             "env": _env(job, node, True, DRAFTER_METRICS_PORT) + _drafter_peers_env(job)
             + _drafter_identity_env(job, generation),
-            "ports": [{"name": f"drafter-{i}" if i else "drafter", "containerPort": DRAFTER_PORT + i, "protocol": "TCP"}
-                      for i in range(int(t["procsPerNode"]))],
+            "ports": [{"name": port_name("drafter", i), "containerPort": DRAFTER_PORT + i, "protocol": "TCP"}
+                      for i in range(int(t["procsPerNode"]))]
+            + metrics_container_ports(job, DRAFTER_METRICS_PORT_NAME, DRAFTER_METRICS_PORT),
             "volumeMounts": _mounts(job, data=False) + [
                 {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True},
                 {"name": "fleet-key", "mountPath": FLEET_KEY_DIR, "readOnly": True}],

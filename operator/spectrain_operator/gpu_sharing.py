@@ -390,6 +390,9 @@ def _apply_single(pod: dict, job: dict) -> list[dict]:
             if not any(t.get("mountPath") == m.get("mountPath") for t in target.get("volumeMounts", [])):
                 target.setdefault("volumeMounts", []).append(copy.deepcopy(m))
         _sum_resources(target, drafter)
+        # The drafter's processes now listen in this container: declare their ports here (the
+        # metrics ports are how Prometheus' pod discovery finds them; names are unique per pod).
+        target.setdefault("ports", []).extend(copy.deepcopy(drafter.get("ports", [])))
         max_failures = int(_get(job, "spec", "drafter", "maxFailures", default=3))
         args += ["--drafter-command", json.dumps(drafter_cmd),
                  "--drafter-env", json.dumps(drafter_env, sort_keys=True),

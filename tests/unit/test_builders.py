@@ -108,7 +108,8 @@ def test_drafters_reach_each_other_through_the_headless_service() -> None:
     p, _ = builders.pod(j, 1)
     drafter = p["spec"]["initContainers"][0]
     assert env_of(drafter)["SPECTRAIN_DRAFTER_PEERS"] == "demo-0.demo.ns1.svc:29600,demo-1.demo.ns1.svc:29600"
-    assert [(q["name"], q["containerPort"]) for q in drafter["ports"]] == [("drafter", 29600), ("drafter-1", 29601)]
+    assert [(q["name"], q["containerPort"]) for q in drafter["ports"]] == [
+        ("drafter", 29600), ("drafter-1", 29601), ("dmetrics", 9464), ("dmetrics-1", 9465)]
     assert "SPECTRAIN_DRAFTER_PEERS" not in env_of(p["spec"]["containers"][0])     # the target never talks to it
     svc = builders.service(j)
     assert {"name": "drafter", "port": 29600, "targetPort": 29600, "protocol": "TCP"} in svc["spec"]["ports"]
@@ -384,9 +385,13 @@ def test_network_policy_selects_the_jobs_pods_and_opens_only_metrics_to_others()
               for rank in range(2)}
     assert served == {p["port"] for p in metrics["ports"]} == set(builders.metrics_ports(j))
     assert {p["protocol"] for p in metrics["ports"]} == {"TCP"}
-    declared = {p["containerPort"] for pod in objs["Pod"] for p in pod["spec"]["containers"][0]["ports"]
-                if p["name"].startswith("metrics")}
-    assert declared == {builders.TARGET_METRICS_PORT, builders.TARGET_METRICS_PORT + 1} and declared <= served
+    # ...and every one is a declared, named container port (what a PodMonitor selects by).
+    declared = {(c["name"], p["name"]): p["containerPort"] for pod in objs["Pod"] for c in _containers(pod)
+                for p in c["ports"] if p["containerPort"] in served}
+    t, d = builders.TARGET_METRICS_PORT, builders.DRAFTER_METRICS_PORT
+    assert declared == {("target", "metrics"): t, ("target", "metrics-1"): t + 1,
+                        ("drafter", "dmetrics"): d, ("drafter", "dmetrics-1"): d + 1}
+    assert set(declared.values()) == served
     # target and drafter processes share the pod's network namespace: their ranges never overlap
     assert len(served) == 2 * 2
     assert builders.DRAFTER_METRICS_PORT >= builders.TARGET_METRICS_PORT + spec.crd()["spec"]["versions"][0][

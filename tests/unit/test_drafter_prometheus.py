@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 def _summary(**over: object) -> dict[str, object]:
     s: dict[str, object] = {
         "state": "Active", "usableSeconds": 12.5, "busySeconds": 9.0, "windowsSeen": 40, "windowsWorked": 30,
-        "windowsTooShort": 6, "windowsVerifyOnly": 4, "samplesTrained": 512, "optimizerSteps": 64,
+        "windowsTooShort": 6, "windowsVerifyOnly": 4, "samplesTrained": 512, "optimizerSteps": 64, "combinedWorkSeconds": 4.5,
         "exportsRejected": 1, "exchangeFramesDropped": 3, "dataDropped": 0, "dataReceived": 300,
         "samplesFromPeers": 212, "harvestedSecondsByKind": {"Bubble": 6.0, "Communication": 0.5},
         "exchangeBytesSent": 1_000_000, "exchangeBytesReceived": 2_000_000,
@@ -51,6 +51,7 @@ def test_the_endpoint_serves_every_figure_with_bounded_labels() -> None:
     assert got[("spectrain_drafter_harvested_seconds_total", (("kind", "Bubble"), r))] == 6.0
     assert got[("spectrain_drafter_harvested_seconds_total", (("kind", "Communication"), r))] == 0.5
     assert got[("spectrain_drafter_windows_too_short_total", (r,))] == 6
+    assert got[("spectrain_drafter_combined_work_seconds_total", (r,))] == 4.5
     assert got[("spectrain_drafter_samples_received_total", (r, ("source", "peers")))] == 212
     assert got[("spectrain_drafter_exchange_bytes_total", (("direction", "received"), r))] == 2_000_000
     assert got[("spectrain_drafter_exchange_rejected_total", (("cause", "mac"), r))] == 7

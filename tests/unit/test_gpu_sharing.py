@@ -194,6 +194,10 @@ def test_single_container_folds_drafter_into_supervised_target() -> None:
     assert cfg.mps_ready is not None and "get_server_list" in " ".join(cfg.mps_ready)
     assert cfg.drafter_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"
     assert cfg.drafter_env["SPECTRAIN_METRICS_PORT"] == str(builders.DRAFTER_METRICS_PORT)
+    # the drafter's ports (exchange, metrics) are declared where its processes now listen
+    ports = {p["name"]: p["containerPort"] for p in target["ports"]}
+    assert ports["dmetrics"] == builders.DRAFTER_METRICS_PORT and ports["drafter"] == builders.DRAFTER_PORT
+    assert ports["metrics"] == builders.TARGET_METRICS_PORT and len(ports) == len(target["ports"])
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env(target)
     assert env(target)["CUDA_MPS_PIPE_DIRECTORY"] == gpu_sharing.MPS_PIPE_DIR
     assert target["resources"]["requests"] == {"cpu": "2500m", "memory": "9Gi", "nvidia.com/gpu": "4"}

@@ -22,6 +22,8 @@ KUBE_VERSION = "1.34"
 RELEASE, NAMESPACE = "spectrain", "spectrain-system"
 # CRDs the chart owns itself (kopf's peering resources); everything else in crds/ is a copy.
 CHART_OWNED_CRDS = {"kopf.dev_peerings.yaml"}
+# Prometheus Operator kinds beside the ServiceMonitor the chart may render (opt-in).
+MONITORING_CRD_KINDS = {"PodMonitor", "PrometheusRule"}
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -46,6 +48,22 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     "minimal": {"metrics": {"enabled": False}, "peering": {"enabled": False}, "logging": {"level": "verbose"}},
     "no-network-policy": {"networkPolicy": {"enabled": False}},
+    "monitoring": {
+        "metrics": {"serviceMonitor": {"enabled": True}},
+        "jobMetrics": {"podMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+        "alerts": {"enabled": True, "labels": {"release": "prom"}},
+        "dashboards": {"enabled": True},
+    },
+    "monitoring-custom": {
+        "fullnameOverride": "stj-op",
+        "metrics": {"enabled": False},
+        "jobMetrics": {"podMonitor": {"enabled": True, "interval": "15s", "scrapeTimeout": "5s",
+                                      "namespaceSelector": {"matchNames": ["team-a"]}}},
+        "alerts": {"enabled": True, "harvestLow": {"threshold": 0.5, "for": "1h", "severity": "info"},
+                   "targetSlowdown": {"factor": 1.1, "baselineRange": "7d", "for": "1h", "severity": "warning"}},
+        "dashboards": {"enabled": True, "namespace": "monitoring", "label": {"key": "dash", "value": "yes"},
+                       "annotations": {"grafana_folder": "SpecTrain"}},
+    },
 }
 
 
@@ -126,6 +144,9 @@ def test_every_rendered_manifest_validates(variant: str) -> None:
             jsonschema.validate(doc, crd_schemas[key])
         elif doc["kind"] == "ServiceMonitor":
             _check_service_monitor(doc, docs)
+        elif doc["kind"] in MONITORING_CRD_KINDS:
+            # no schema for monitoring.coreos.com offline: tests/unit/test_monitoring.py checks them
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1" and doc["metadata"]["namespace"] == NAMESPACE
         else:
             kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
 
@@ -185,6 +206,7 @@ def test_default_deployment_is_hardened() -> None:
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     assert not by_kind(docs, "PodDisruptionBudget")
     assert not by_kind(docs, "ClusterKopfPeering")
+    # monitoring objects (ServiceMonitor, PodMonitor, PrometheusRule, dashboard ConfigMap) are opt-in
     assert {d["kind"] for d in docs} == {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
                                          "Service", "NetworkPolicy"}
     sa = one(docs, "ServiceAccount")["metadata"]["name"]

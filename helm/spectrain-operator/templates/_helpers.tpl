@@ -130,3 +130,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: ["create"]
 {{- end }}
 {{- end }}
+
+{{/* The label the operator puts on every object of a SpecTrainJob (spectrain_operator.objects.LABEL_JOB). */}}
+{{- define "spectrain-operator.jobLabel" -}}
+spectrain.io/job-name
+{{- end }}

@@ -32,6 +32,8 @@ _COUNTERS = {
     "windows_too_short": ("windowsTooShort", "Windows of an allowed kind too short for any task."),
     "windows_verify_only": ("windowsVerifyOnly", "Windows that fit a verification chunk but no training step."),
     "samples_trained": ("samplesTrained", "Samples (sequences) the drafter trained on."),
+    "combined_work_seconds": ("combinedWorkSeconds", "This rank's window work that a combined version holds, "
+                              "i.e. that reaches the export (the numerator of the report's effective harvest)."),
     "optimizer_steps": ("optimizerSteps", "Drafter optimizer steps."),
     "exports_rejected": ("exportsRejected", "Candidate exports held back (not finite, or acceptance below the floor)."),
     "exchange_frames_dropped": ("exchangeFramesDropped", "Exchange frames dropped (bandwidth cap, slow peer, full inbox)."),
