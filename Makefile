@@ -17,7 +17,7 @@ BENCH_ALIASES := $(subst _,-,$(foreach b,$(BENCHES),$(if $(findstring _,$(b)),$(
 
 .DEFAULT_GOAL := help
 .PHONY: help install test test-unit test-integration test-e2e lint typecheck verify demo demo-rl demo-hf \
-        kube-binaries kube-binaries-legacy crds docs clean gpu-check gate-replay $(BENCHES:%=bench-%) \
+        kube-binaries kube-binaries-legacy prometheus-binaries crds docs clean gpu-check gate-replay $(BENCHES:%=bench-%) \
         $(BENCH_ALIASES:%=bench-%)
 
 help: ## list the targets
@@ -33,13 +33,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv with everything (CPU torch pinned)
 
-test: $(STAMP) kube-binaries ## unit + integration tests (real kube-apiserver, real processes)
+test: $(STAMP) kube-binaries prometheus-binaries ## unit + integration tests (real kube-apiserver, real Prometheus, real processes)
 	$(PY) -m pytest tests -m "not e2e" $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## unit tests only (seconds)
 	$(PY) -m pytest tests -m unit $(PYTEST_ARGS)
 
-test-integration: $(STAMP) kube-binaries ## integration tier only
+test-integration: $(STAMP) kube-binaries prometheus-binaries ## integration tier only
 	$(PY) -m pytest tests -m integration $(PYTEST_ARGS)
 
 test-e2e: $(STAMP) ## e2e against the cluster in KUBECONFIG
@@ -47,6 +47,9 @@ test-e2e: $(STAMP) ## e2e against the cluster in KUBECONFIG
 
 kube-binaries: ## build kube-apiserver/-controller-manager/-scheduler, etcd, kwok, Kueue, scheduler-plugins (scripts/kube/) once from the Go module proxy
 	bash scripts/build-kube-current.sh
+
+prometheus-binaries: ## build prometheus and promtool (scripts/prometheus/) once from the Go module proxy, for the monitoring tests
+	bash scripts/build-prometheus.sh
 
 kube-binaries-legacy: ## the old 1.20 tier from Debian source (~11 min), for SPECTRAIN_KUBE=1.20 and the below-range test
 	KUBE_CACHE=$(KUBE_CACHE) bash scripts/build-kube.sh
@@ -95,5 +98,5 @@ GPU_PY ?= python3
 gpu-check: ## every CUDA path in one run (<= 8 min) -> bench/results/gpu.json + gpu.log; no CUDA: all skipped
 	PYTHONPATH=operator:workloads:. $(GPU_PY) scripts/gpu_check.py
 
-clean: ## remove the venv, runs and caches (not the kube binaries in ~/.cache)
+clean: ## remove the venv, runs and caches (not the kube and Prometheus binaries in ~/.cache)
 	rm -rf $(VENV) runs bench/results .pytest_cache .mypy_cache .ruff_cache

@@ -48,6 +48,7 @@ from spectrain_operator.progress import ProgressView
 from spectrain_workloads.contract import (
     ANNOTATION_DRAFTER_DISABLED,
     ENV_DRAFTER_CONTROL,
+    ENV_METRICS_PORT,
     ENV_TERMINATION_LOG,
     EXIT_PEER_FRAME,
     KIND,
@@ -260,13 +261,13 @@ def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Pat
         env["SPECTRAIN_DRAFTER_BIND"] = "127.0.0.1"
         # engine AllReduce's store: its default port (after the exporting pod's block) may be another pod's here
         env["SPECTRAIN_DRAFTER_STORE"] = f"127.0.0.1:{store_port}"
-    if env.get("SPECTRAIN_METRICS_PORT", "0") != "0":
+    if env.get(ENV_METRICS_PORT, "0") != "0":
         # Pods share one network namespace locally: each container (target, drafter) of each pod
         # gets its own metrics port.
         key = f"{meta['name']}/{c['name']}"
         if key not in pod_ports:
             pod_ports[key] = free_port(exclude={master_port, store_port, *pod_ports.values(), *peer_ports})
-        env["SPECTRAIN_METRICS_PORT"] = str(pod_ports[key])
+        env[ENV_METRICS_PORT] = str(pod_ports[key])
     env["MASTER_ADDR"] = "127.0.0.1"
     env["MASTER_PORT"] = str(master_port)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -322,7 +323,15 @@ def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None
             ))
     (run_dir / "job.json").write_text(json.dumps(job, indent=2))
     data_dirs = sorted({c.env["SPECTRAIN_RUN_DIR"] for c in run.containers if "SPECTRAIN_RUN_DIR" in c.env})
-    (run_dir / "layout.json").write_text(json.dumps({"data_dirs": data_dirs}, indent=2))
+    # Where each container's processes serve /metrics on 127.0.0.1 (its ENV_METRICS_PORT + local
+    # rank): what a scrape config of a local run needs, as a cluster's reads the pods' ports.
+    metrics = [{"pod": c.pod, "container": c.name,
+                "ports": [int(c.env[ENV_METRICS_PORT]) + i for i in range(procs)]}
+               for c in run.containers if c.env.get(ENV_METRICS_PORT, "0") != "0"]
+    # whole or absent: a scraper of the run waits for this file
+    tmp = run_dir / "layout.json.tmp"
+    tmp.write_text(json.dumps({"data_dirs": data_dirs, "metrics": metrics}, indent=2))
+    tmp.replace(run_dir / "layout.json")
     return run
 
 

@@ -34,8 +34,10 @@ STEP = 30.0  # deadline per expected outcome
 class Operator:
     """`python -m spectrain_operator` as a child process; logs go to a file."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, log_path: Path, resync_s: float = 1.0):
+    def __init__(self, kubeconfig: Path, namespace: str, log_path: Path, resync_s: float = 1.0,
+                 metrics_port: int = 0):
         self.kubeconfig, self.namespace, self.log_path, self.resync_s = kubeconfig, namespace, log_path, resync_s
+        self.metrics_port = metrics_port    # 0: no /metrics server
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
 
@@ -47,7 +49,7 @@ class Operator:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "spectrain_operator", "--standalone", "--namespace", self.namespace,
-                 f"--liveness=http://127.0.0.1:{self.port}/healthz", "--metrics-port=0"],
+                 f"--liveness=http://127.0.0.1:{self.port}/healthz", f"--metrics-port={self.metrics_port}"],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
                 start_new_session=True)
         return self
@@ -200,14 +202,15 @@ def apply_crd(kube: KubeAPI) -> None:
     kube.apply(yaml.safe_load(CRD.read_text()))
 
 
-def start_env(kube: KubeAPI, log_dir: Path, namespace_labels: dict[str, str] | None = None) -> Env:
-    """The CRD, a fresh namespace (with `namespace_labels`) and an operator watching it; stop it
-    with `env.operator.stop()`."""
+def start_env(kube: KubeAPI, log_dir: Path, namespace_labels: dict[str, str] | None = None,
+              metrics_port: int = 0) -> Env:
+    """The CRD, a fresh namespace (with `namespace_labels`) and an operator watching it, serving
+    /metrics on `metrics_port` if not 0; stop it with `env.operator.stop()`."""
     apply_crd(kube)
     ns = f"stj-{uuid.uuid4().hex[:6]}"
     kube.apply({"apiVersion": "v1", "kind": "Namespace",
                 "metadata": {"name": ns, "labels": dict(namespace_labels or {})}})
-    op = Operator(kube.kubeconfig, ns, log_dir / "operator.log").start()
+    op = Operator(kube.kubeconfig, ns, log_dir / "operator.log", metrics_port=metrics_port).start()
     return Env(kube, ns, op)
 
 

@@ -2,7 +2,7 @@
 and every dashboard query names only metrics the code defines (the set is read from the metric
 modules, not written here), each alert has its runbook section, and the dashboard file is the one
 scripts/dashboard.py builds. No promtool here: the expressions' syntax and behaviour are checked
-against a real Prometheus in the integration tier (issue #33, part 3)."""
+against a real Prometheus in the integration tier (tests/integration/test_monitoring_prometheus.py)."""
 
 from __future__ import annotations
 
