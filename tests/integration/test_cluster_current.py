@@ -281,7 +281,8 @@ def test_the_jobs_network_policy_selects_exactly_its_pods_and_ports(env: Env) ->
               for rank in range(2)}
     assert {(r["protocol"], r["port"]) for r in metrics["ports"]} == {("TCP", port) for port in served}
     declared = {(c["name"], port["name"]): port["containerPort"] for c in containers for port in c.get("ports", [])}
-    assert {v for (c, name), v in declared.items() if name.startswith("metrics")} <= served
-    assert {v for (c, name), v in declared.items() if not name.startswith("metrics")} == {
+    metric_names = (builders.TARGET_METRICS_PORT_NAME, builders.DRAFTER_METRICS_PORT_NAME)
+    assert {v for (c, name), v in declared.items() if name.startswith(metric_names)} == served
+    assert {v for (c, name), v in declared.items() if not name.startswith(metric_names)} == {
         builders.MASTER_PORT, builders.DRAFTER_PORT, builders.DRAFTER_PORT + 1}
     assert not served & {builders.MASTER_PORT, builders.DRAFTER_PORT, builders.DRAFTER_PORT + 1}

@@ -47,7 +47,9 @@ from spectrain_workloads.drafter.fleet import Fleet
 from spectrain_workloads.drafter.links import Rejected
 
 RENDEZVOUS_S = 2.0          # Combiner's window to form a group once a member asked
-IDLE_GRACE = 0.5            # x the collective timeout: how late the worker may be before an idle round
+# x the collective timeout: how late the worker may be before an idle round. Well below 1: the
+# other members are already waiting in the collective, and a loaded host delays this thread too.
+IDLE_GRACE = 0.2
 FINAL_ROUND_S = 10.0        # at shutdown: the last round may take this long (inside the 30 s grace period)
 
 

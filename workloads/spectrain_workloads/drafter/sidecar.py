@@ -327,10 +327,19 @@ def _fleet(cfg: Any, rank: int, world: int, export_rank: int) -> Any:
         run_dir=os.environ.get("SPECTRAIN_RUN_DIR")))
 
 
+def _exit(code: int) -> None:
+    """Leave without the interpreter's teardown: torch's native threads (gloo, the c10d store
+    client) may still be alive, and destroying them at exit aborts the process (SIGABRT) instead
+    of returning the drafter's exit code. Everything the drafter writes is closed or flushed by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _child(local_rank: int, stop: Any) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    sys.exit(_guarded(lambda: run_worker(local_rank, stop)))
+    _exit(_guarded(lambda: run_worker(local_rank, stop)))
 
 
 def _fail(exc: BaseException) -> int:
@@ -374,5 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     return max((p.exitcode or 0) if p.exitcode is None or p.exitcode >= 0 else 128 - p.exitcode for p in procs)
 
 
+def entrypoint() -> None:
+    """`spectrain-drafter`."""
+    _exit(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entrypoint()
