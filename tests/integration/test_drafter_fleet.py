@@ -54,7 +54,7 @@ def _targets(pods: list[Pod]) -> list[SyntheticTarget]:
     return out
 
 
-def _drive(targets: list[SyntheticTarget], pods: list[Pod], until: Any, what: str) -> Any:
+def _drive(targets: list[SyntheticTarget], pods: list[Pod], until: Any, what: str, timeout: float = TIMEOUT) -> Any:
     def step() -> Any:
         for r, pod in enumerate(pods):
             if pod.proc is not None and pod.proc.poll() is not None:
@@ -62,7 +62,7 @@ def _drive(targets: list[SyntheticTarget], pods: list[Pod], until: Any, what: st
         for t in targets:
             t.run_step()
         return until()
-    return wait_for(step, timeout=TIMEOUT, interval=0, what=what)
+    return wait_for(step, timeout=timeout, interval=0, what=what)
 
 
 def _summary(pod: Pod, rank: int) -> dict[str, Any]:

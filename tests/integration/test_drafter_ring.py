@@ -20,10 +20,11 @@ import torch
 from spectrain_workloads.contract import ENV_FLEET_KEY_FILE, ENV_JOB_UID, ENV_RESTART_GENERATION
 from spectrain_workloads.drafter.export import load_drafter
 from spectrain_workloads.drafter.fleet_records import STORE_ENV
-from spectrain_workloads.drafter.synthetic import SyntheticSpec, SyntheticTarget, WindowSpec
-from tests.integration.drafter_procs import Pod, synthetic_target
+from spectrain_workloads.drafter.synthetic import SyntheticTarget
+from tests.integration.drafter_procs import Pod
+from tests.integration.test_drafter_fleet import _drive as fleet_drive
+from tests.integration.test_drafter_fleet import _summary, _targets
 from tests.launch import free_ports
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -46,32 +47,8 @@ def _pods(root: Path) -> list[Pod]:
             for r in range(WORLD)]
 
 
-def _targets(pods: list[Pod]) -> list[SyntheticTarget]:
-    out = []
-    for r, pod in enumerate(pods):
-        last = r % PIPELINE == PIPELINE - 1
-        spec = SyntheticSpec(windows=[WindowSpec(kind="Bubble", duration_ms=150.0)], compute_ms=2.0,
-                             data_per_step=2 if last else 0, seq_len=64, seed=0)
-        out.append(synthetic_target(pod, spec))
-    return out
-
-
 def _drive(targets: list[SyntheticTarget], pods: list[Pod], until: Any, what: str) -> Any:
-    def step() -> Any:
-        for r, pod in enumerate(pods):
-            if pod.proc is not None and pod.proc.poll() is not None:
-                raise RuntimeError(f"drafter {r} exited ({pod.proc.returncode}):\n{pod.log_text()[-2000:]}")
-        for t in targets:
-            t.run_step()
-        return until()
-    return wait_for(step, timeout=TIMEOUT, interval=0, what=what)
-
-
-def _summary(pod: Pod, rank: int) -> dict[str, Any]:
-    try:
-        return pod.summary(rank)
-    except (FileNotFoundError, ValueError):
-        return {}
+    return fleet_drive(targets, pods, until, what, timeout=TIMEOUT)
 
 
 def test_four_drafters_combine_through_the_ring_and_survive_a_sigkill(tmp_path: Path) -> None:
