@@ -62,6 +62,37 @@ def _harvest_fraction(by: str) -> str:
             f"/ {rate('spectrain_target_idle_seconds_total', RANK, by)}")
 
 
+def _rate(series: str) -> str:
+    return f"rate({series}[$__rate_interval])"
+
+
+def _total(series: str) -> str:
+    return series
+
+
+def effective_harvest(f: Any = _total) -> str:
+    """`spectrain report`'s effective harvest (report/harvest.py) per job: per rank, its window work
+    that reached the export, i.e. the larger of its own count of work in combined versions and the
+    coordinator's count for it (which holds the last round, combined after the members stopped),
+    times the share of its busy time that was inside windows; summed over ranks, over the target's
+    idle time. `f` is `_total` (counters since the processes started: the run so far) or `_rate`."""
+    per_rank = "namespace, job_name, rank"
+
+    def by_rank(metric: str) -> str:
+        return f"sum by ({per_rank}) ({f(metric + '{' + RANK + '}')})"
+
+    # the coordinator's series are labelled with its own rank and the member's as member_rank
+    coordinator = (f"sum by ({per_rank}) (label_replace({f('spectrain_drafter_export_work_seconds_total{' + JOB + '}')}, "
+                   '"rank", "$1", "member_rank", "(.+)"))')
+    credited = (f"max by ({per_rank}) (\n"
+                f'    label_replace({by_rank("spectrain_drafter_combined_work_seconds_total")}, "count", "member", "", "")\n'
+                f'  or label_replace({coordinator}, "count", "coordinator", "", ""))')
+    share = (f"clamp_max({by_rank('spectrain_drafter_harvested_seconds_total')}\n"
+             f"  / {by_rank('spectrain_drafter_busy_seconds_total')}, 1)")
+    return (f"sum by (namespace, job_name) (\n  {credited}\n  * on ({per_rank}) {share})\n"
+            f"/ sum by (namespace, job_name) ({f('spectrain_target_idle_seconds_total{' + JOB + '}')})")
+
+
 ROWS: tuple[Row, ...] = (
     Row("Harvest: idle time the drafter uses", (
         Panel("Idle vs harvested seconds per second, by kind",
@@ -76,9 +107,12 @@ ROWS: tuple[Row, ...] = (
               "watches the job's figure), and per job the share whose work reached a combined version, "
               "i.e. the export (`spectrain report`'s effective harvest; jobs with a drafter fleet).",
               (Query(_harvest_fraction(PER_RANK), "{{job_name}} r{{rank}}"),
-               Query(f"{rate('spectrain_drafter_combined_work_seconds_total', RANK, 'namespace, job_name')}\n"
-                     f"/ {rate('spectrain_target_idle_seconds_total', RANK, 'namespace, job_name')}",
-                     "effective {{job_name}}")), unit="percentunit"),
+               Query(effective_harvest(_rate), "effective {{job_name}}")), unit="percentunit"),
+        Panel("Effective harvest of the run",
+              "`spectrain report`'s effective harvest from the counters since the processes started: the "
+              "share of the target's idle time whose drafter work reached the export (jobs with a drafter "
+              "fleet). A restarted process starts its counters again.",
+              (Query(effective_harvest(), "{{job_name}}"),), unit="percentunit", kind="stat"),
         Panel("Drafters by state",
               "Drafter processes per state (Waiting, Active, Degraded, Disabled). Degraded or Disabled "
               "fires SpecTrainDrafterDegraded.",

@@ -34,10 +34,11 @@ import yaml
 
 from spectrain_operator import builders
 from spectrain_operator.local import free_port
+from spectrain_workloads.report.summary import summarize
 from tests.integration.kubeapi import KubeAPI
 from tests.integration.operator_harness import start_env
 from tests.unit.test_helm_chart import NAMESPACE, VARIANTS, one, render
-from tests.unit.test_monitoring import DASHBOARD_FILE, metric_names
+from tests.unit.test_monitoring import DASHBOARD_FILE, dashboard, metric_names
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -253,16 +254,21 @@ def scrape_config(run_dir: Path, operator_port: int, rules: Path) -> dict[str, A
             "rule_files": [str(rules)], "scrape_configs": jobs}
 
 
+def fill(expr: str) -> str:
+    """A dashboard query with its template variables set to match everything."""
+    for var, value in {"$namespace": ".*", "$job_name": ".*", "$rank": ".*",
+                       "$__rate_interval": RATE_INTERVAL}.items():
+        expr = expr.replace(var, value)
+    return expr
+
+
 def dashboard_queries() -> list[tuple[str, str]]:
     """(panel title, query) of every panel, the template variables set to match everything."""
-    subst = {"$namespace": ".*", "$job_name": ".*", "$rank": ".*", "$__rate_interval": RATE_INTERVAL}
     out = []
     for p in json.loads(DASHBOARD_FILE.read_text())["panels"]:
         for t in p.get("targets", []):
-            expr = t["expr"]
-            for var, value in subst.items():
-                expr = expr.replace(var, value)
-            assert "$" not in expr, (p["title"], expr)
+            expr = fill(t["expr"])
+            assert "$" not in expr.replace('"$1"', ""), (p["title"], expr)    # label_replace's $1 stays
             out.append((p["title"], expr))
     return out
 
@@ -345,6 +351,15 @@ def test_prometheus_scrapes_a_run_and_the_operator(kube: KubeAPI, tmp_path: Path
                 assert not prom.query(rule["query"]), (name, "is true on a healthy run")
 
             assert proc.wait(timeout=300) == 0, run_log.read_text()[-3000:]
+
+            # Prometheus and `spectrain report` agree on the run's effective harvest: every process
+            # kept its last figures up until scraped (metrics_endpoint.final), and the query counts
+            # what the report counts (the coordinator's last round included). The targets are gone,
+            # so the query reads each series' last sample.
+            report = summarize(run_dir)["effective_harvest_fraction"]
+            (series,) = prom.query(fill(dashboard.effective_harvest(lambda s: f"last_over_time({s}[10m])")))
+            from_prometheus = float(series["value"][1])
+            assert report and abs(from_prometheus - report) <= 0.05 * report, (from_prometheus, report)
     finally:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGINT)

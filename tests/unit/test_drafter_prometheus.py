@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from spectrain_workloads.drafter.prometheus import DrafterCollector, serve, stop
+from spectrain_workloads.drafter.prometheus import DrafterCollector, serve
 from tests.launch import free_ports
 
 pytestmark = pytest.mark.unit
@@ -22,6 +22,7 @@ def _summary(**over: object) -> dict[str, object]:
         "samplesFromPeers": 212, "harvestedSecondsByKind": {"Bubble": 6.0, "Communication": 0.5},
         "exchangeBytesSent": 1_000_000, "exchangeBytesReceived": 2_000_000,
         "exchangeRejectedByCause": {"mac": 7, "tokens_out_of_range": 2},
+        "exportWorkSecondsByRank": {"0": 2.5, "3": 4.75},
         "acceptanceLength": 3.25, "exportedVersion": 5, "combinedVersion": 9, "loss": 1.5,
         "overrunMsP50": 0.4, "overrunMsP99": 2.0, "overrunMsMax": 3.0}
     s.update(over)
@@ -46,7 +47,7 @@ def test_the_endpoint_serves_every_figure_with_bounded_labels() -> None:
         c.update(_summary())
         got = _scrape(port)
     finally:
-        stop(server)
+        server.stop()
     r = ("rank", "3")
     assert got[("spectrain_drafter_harvested_seconds_total", (("kind", "Bubble"), r))] == 6.0
     assert got[("spectrain_drafter_harvested_seconds_total", (("kind", "Communication"), r))] == 0.5
@@ -55,13 +56,15 @@ def test_the_endpoint_serves_every_figure_with_bounded_labels() -> None:
     assert got[("spectrain_drafter_samples_received_total", (r, ("source", "peers")))] == 212
     assert got[("spectrain_drafter_exchange_bytes_total", (("direction", "received"), r))] == 2_000_000
     assert got[("spectrain_drafter_exchange_rejected_total", (("cause", "mac"), r))] == 7
+    assert got[("spectrain_drafter_export_work_seconds_total", (("member_rank", "0"), r))] == 2.5
+    assert got[("spectrain_drafter_export_work_seconds_total", (("member_rank", "3"), r))] == 4.75
     assert got[("spectrain_drafter_acceptance_length", (r,))] == 3.25
     assert got[("spectrain_drafter_exported_version", (r,))] == 5
     assert got[("spectrain_drafter_overrun_seconds", (("quantile", "0.99"), r))] == pytest.approx(0.002)
     states = {dict(k[1])["state"]: v for k, v in got.items() if k[0] == "spectrain_drafter_state"}
     assert states == {"Disabled": 0, "Waiting": 0, "Active": 1, "Degraded": 0}
     label_names = {name for _, labels in got for name, _ in labels}
-    assert label_names <= {"rank", "kind", "source", "direction", "cause", "quantile", "state"}
+    assert label_names <= {"rank", "kind", "source", "direction", "cause", "quantile", "state", "member_rank"}
 
 
 def test_counters_count_from_the_process_start_not_from_the_checkpoint() -> None:

@@ -51,7 +51,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "monitoring": {
         "metrics": {"serviceMonitor": {"enabled": True}},
         "jobMetrics": {"podMonitor": {"enabled": True, "labels": {"release": "prom"}}},
-        "alerts": {"enabled": True, "labels": {"release": "prom"}},
+        "alerts": {"enabled": True, "labels": {"release": "prom"},
+                   "runbookBaseUrl": "https://git.example.com/platform/spectrain/blob/main/docs/operations.md"},
         "dashboards": {"enabled": True},
     },
     "monitoring-custom": {

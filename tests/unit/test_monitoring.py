@@ -55,11 +55,10 @@ def operator_metrics() -> set[str]:
 
 def target_metrics(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     """The families the target's endpoint registers, taken from the registry it would serve."""
-    from spectrain_workloads import metrics
+    from spectrain_workloads import metrics, metrics_endpoint
 
     served: list[Any] = []
-    monkeypatch.setattr(prometheus_client, "start_http_server",
-                        lambda port, registry: served.append(registry) or ("server", "thread"))
+    monkeypatch.setattr(metrics_endpoint, "Endpoint", lambda registry, port: served.append(registry))
     metrics._Prometheus(port=1, rank=0)
     (registry,) = served
     return _families([registry])
@@ -210,7 +209,8 @@ def test_every_alert_names_only_existing_metrics(known_metrics: set[str]) -> Non
 
 def test_every_alert_has_its_texts_and_runbook_section() -> None:
     anchors = _anchors(OPERATIONS_MD.read_text())
-    base = "https://example.org/spectrain/blob/main/docs/operations.md#"
+    base = MONITORING["alerts"]["runbookBaseUrl"] + "#"
+    assert all("runbook_url" not in r["annotations"] for r in _rules(VARIANTS["monitoring-custom"]).values())
     for name, r in _rules(MONITORING).items():
         ann = r["annotations"]
         assert ann["summary"] and ann["description"], name

@@ -47,9 +47,21 @@ def write_progress(run_dir: str | Path, progress: dict[str, Any], *, flush: bool
         atomic_write(path, lambda p: p.write_text(json.dumps(progress)))
 
 
+def _totals(wins: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, int]]:
+    """Idle seconds and window counts by kind; kinds outside KINDS (RolloutTail, mode RL) too."""
+    idle = {k: 0.0 for k in KINDS}
+    count = {k: 0 for k in KINDS}
+    for w in wins:
+        idle[w["kind"]] = idle.get(w["kind"], 0.0) + w["actual_ns"] / 1e9
+        count[w["kind"]] = count.get(w["kind"], 0) + 1
+    return idle, count
+
+
 class _Prometheus:
     def __init__(self, port: int, rank: int) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        from spectrain_workloads.metrics_endpoint import Endpoint
 
         reg = CollectorRegistry()
         lab = {"rank": str(rank)}
@@ -66,7 +78,12 @@ class _Prometheus:
         self.pred_err = Gauge("spectrain_target_prediction_error", "median relative prediction error, last step",
                               ["rank", "kind"], registry=reg)
         self.rank = str(rank)
-        self.server = start_http_server(port, registry=reg)
+        self.endpoint = Endpoint(reg, port)
+
+    def count_windows(self, idle: dict[str, float], count: dict[str, int]) -> None:
+        for k in idle:
+            self.idle.labels(rank=self.rank, kind=k).inc(idle[k])
+            self.windows.labels(rank=self.rank, kind=k).inc(count[k])
 
 
 class MetricsWriter:
@@ -100,12 +117,9 @@ class MetricsWriter:
         for w in wins:
             self._win_f.write(json.dumps(w) + "\n")
         self._win_f.flush()
-        idle = {k: 0.0 for k in KINDS}
-        count = {k: 0 for k in KINDS}
+        idle, count = _totals(wins)
         errs: dict[str, list[float]] = {k: [] for k in KINDS}
-        for w in wins:   # kinds outside KINDS (RolloutTail, from rl.py) are counted too
-            idle[w["kind"]] = idle.get(w["kind"], 0.0) + w["actual_ns"] / 1e9
-            count[w["kind"]] = count.get(w["kind"], 0) + 1
+        for w in wins:
             e = relative_error(w)
             if e is not None:
                 errs.setdefault(w["kind"], []).append(e)
@@ -122,9 +136,8 @@ class MetricsWriter:
                 p.loss.set(loss)
             p.step_time.set(step_time_s)
             p.tps.set(tps)
+            p.count_windows(idle, count)
             for k in KINDS:
-                p.idle.labels(rank=p.rank, kind=k).inc(idle[k])
-                p.windows.labels(rank=p.rank, kind=k).inc(count[k])
                 if errs[k]:
                     p.pred_err.labels(rank=p.rank, kind=k).set(statistics.median(errs[k]))
         now = time.monotonic()
@@ -136,11 +149,13 @@ class MetricsWriter:
         return line
 
     def close(self) -> None:
-        for w in self._take_windows():
+        wins = self._take_windows()
+        for w in wins:
             self._win_f.write(json.dumps(w) + "\n")
         self._win_f.close()
         self._steps_f.close()
         if self.prom is not None:
-            server = self.prom.server
-            if isinstance(server, tuple):       # prometheus-client >= 0.19: (server, thread)
-                server[0].shutdown()
+            # windows closed after the last step are idle time too (the report counts them)
+            self.prom.count_windows(*_totals(wins))
+            self.prom.endpoint.final()
+            self.prom.endpoint.stop()

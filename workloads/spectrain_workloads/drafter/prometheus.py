@@ -70,6 +70,9 @@ def _series(summary: Mapping[str, Any]) -> dict[tuple[str, tuple[tuple[str, str]
     for cause, v in (summary.get("exchangeRejectedByCause") or {}).items():
         if (n := _number(v)) is not None:
             out[("exchange_rejected", (("cause", str(cause)),))] = n
+    for member, v in (summary.get("exportWorkSecondsByRank") or {}).items():   # the coordinator's
+        if (n := _number(v)) is not None:
+            out[("export_work_seconds", (("member_rank", str(member)),))] = n
     return out
 
 
@@ -78,9 +81,11 @@ _HELP = {**{n: h for n, (_, h) in _COUNTERS.items()},
          "samples_received": "Samples that reached the drafter, by source (its ring, its peers).",
          "exchange_bytes": "Bytes of the drafter exchange, by direction.",
          "exchange_rejected": "Items from peers dropped by a check (MAC, shape, vocabulary, finiteness, "
-                              "norm, claimed work, version), by cause. Above 0: a broken or hostile peer."}
+                              "norm, claimed work, version), by cause. Above 0: a broken or hostile peer.",
+         "export_work_seconds": "The coordinator's count of each member rank's window work in the versions it "
+                                "exported, the last round (combined after the members stopped) included."}
 _LABELS = {"harvested_seconds": ["kind"], "samples_received": ["source"], "exchange_bytes": ["direction"],
-           "exchange_rejected": ["cause"]}
+           "exchange_rejected": ["cause"], "export_work_seconds": ["member_rank"]}
 
 
 class DrafterCollector:
@@ -132,19 +137,15 @@ class DrafterCollector:
 
 
 def serve(collector: DrafterCollector, port: int) -> Any:
-    """Serve /metrics for `collector` on `port` (every address: the pod's network namespace). Returns
-    what prometheus-client's start_http_server returned (its server, for `stop`)."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    """Serve /metrics for `collector` on `port` (every address: the pod's network namespace): a
+    metrics_endpoint.Endpoint, whose `final()` keeps the last figures up until scraped."""
+    from prometheus_client import CollectorRegistry
+
+    from spectrain_workloads.metrics_endpoint import Endpoint
 
     reg = CollectorRegistry()
     reg.register(collector)
-    return start_http_server(port, registry=reg)
+    return Endpoint(reg, port)
 
 
-def stop(server: Any) -> None:
-    if isinstance(server, tuple):       # prometheus-client >= 0.19: (server, thread)
-        server[0].shutdown()
-        server[0].server_close()
-
-
-__all__ = ["DrafterCollector", "PREFIX", "serve", "stop"]
+__all__ = ["DrafterCollector", "PREFIX", "serve"]

@@ -221,8 +221,8 @@ def run_worker(local_rank: int, stop: Any = None) -> int:
         return _run_worker(cfg, settings, local_rank, rank, Path(run_dir), Path(ring_dir), stop, prometheus)
     finally:
         if server is not None:
-            from spectrain_workloads.drafter.prometheus import stop as stop_server
-            stop_server(server)
+            server.final()      # the last summary (the fleet's last round) reaches Prometheus
+            server.stop()
 
 
 def _prometheus(rank: int, local_rank: int) -> tuple[Any, Any]:
