@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,22 @@ def _losses(root: Path, rank: int) -> list[float]:
 
 def _windows(root: Path, rank: int, kind: str) -> list[dict[str, Any]]:
     return [w for w in _lines(root, f"windows-rank-{rank}.jsonl") if w["kind"] == kind]
+
+
+def _bubble_fraction(root: Path, stage: int) -> tuple[float, list[float]]:
+    """The stage's bubble fraction: its idle time in Bubble windows / the time it spends in the
+    pipeline schedule (the executor's span per step; the optimizer step, loss hand-over and metrics
+    between steps are not part of the schedule the formula describes), per step from step 2 (the
+    EMAs exist), and their median. A step is ~50 ms with bubbles of a few ms: one preemption of the
+    other stage on this shared 2-core machine (tens of ms) lands in this stage's bubble slots and
+    would move a sum over all steps by 0.1; the median is the fraction of a typical step, which a
+    wrong schedule (0 or 0.5) moves in every step."""
+    bubbles = _windows(root, stage, "Bubble")
+    per_step = []
+    for s in _lines(root, f"target-rank-{stage}.jsonl")[2:]:
+        idle_ms = sum(w["actual_ns"] for w in bubbles if w["step"] == s["step"]) / 1e6
+        per_step.append(idle_ms / s["pipeline_ms"])
+    return statistics.median(per_step), per_step
 
 
 @pytest.fixture(scope="module")
@@ -177,18 +194,14 @@ def test_bubble_windows_follow_the_schedule(pp: Path) -> None:
             assert [w["slot"] for w in mine] == list(range(n_slots)), (stage, step)
             if step >= 2:   # EMAs of F/B exist: every bubble has a prediction
                 assert all(w["predicted_ns"] > 0 for w in mine)
-        # Bubble fraction = the stage's scheduled idle time / the time it spends in the pipeline
-        # schedule (the executor's span per step; the optimizer step, loss hand-over and metrics
-        # between steps are not part of the schedule the formula describes).
-        steps = _lines(pp, f"target-rank-{stage}.jsonl")[2:]
-        idle = sum(w["actual_ns"] for w in bubbles if w["step"] >= 2) / 1e9
-        fractions.append(idle / (sum(s["pipeline_ms"] for s in steps) / 1e3))
+        fractions.append(_bubble_fraction(pp, stage))
     # Formula 0.2 for (p, m) = (2, 4). A wrong schedule is far off: no overlap at all (each stage
     # idles while the other computes) gives 0.5, a schedule without warm-up/cool-down 0. Idle,
     # the mean is within 0.03 (bench-target: 0.18); the band leaves room for a shared 2-core
     # machine, where a stage preempted mid-compute moves idle time out of the scheduled slots.
-    assert abs(sum(fractions) / 2 - sched.formula_bubble_fraction()) <= 0.08, fractions
-    assert all(abs(f - sched.formula_bubble_fraction()) <= 0.12 for f in fractions), fractions
+    medians = [m for m, _ in fractions]
+    assert abs(sum(medians) / 2 - sched.formula_bubble_fraction()) <= 0.08, fractions
+    assert all(abs(f - sched.formula_bubble_fraction()) <= 0.12 for f in medians), fractions
 
 
 def test_last_stage_feeds_the_ring_and_shared_files(pp: Path) -> None:
@@ -310,14 +323,13 @@ def test_interleaved_bubble_windows_follow_the_schedule(ipp: Path) -> None:
             assert [w["slot"] for w in mine] == list(range(n_slots)), (stage, step)
             if step >= 2:
                 assert all(w["predicted_ns"] > 0 for w in mine)
-        steps = _lines(ipp, f"target-rank-{stage}.jsonl")[2:]
-        idle = sum(w["actual_ns"] for w in bubbles if w["step"] >= 2) / 1e9
-        fractions.append(idle / (sum(s["pipeline_ms"] for s in steps) / 1e3))
+        fractions.append(_bubble_fraction(ipp, stage))
     # Formula (p-1)/(v*m+p-1) = 1/9 for (p, m, v) = (2, 4, 2), against 0.2 for 1F1B with the same
     # (p, m): the same band as the 1F1B test.
     assert sched.formula_bubble_fraction() == pytest.approx(1 / 9)
-    assert abs(sum(fractions) / 2 - sched.formula_bubble_fraction()) <= 0.08, fractions
-    assert all(abs(f - sched.formula_bubble_fraction()) <= 0.12 for f in fractions), fractions
+    medians = [m for m, _ in fractions]
+    assert abs(sum(medians) / 2 - sched.formula_bubble_fraction()) <= 0.08, fractions
+    assert all(abs(f - sched.formula_bubble_fraction()) <= 0.12 for f in medians), fractions
 
 
 def test_interleaved_feeds_the_ring_from_the_last_chunk_and_resumes_bitwise(

@@ -80,7 +80,7 @@ class Endpoint:
         """The longest recent gap between scrapes; None until two were served."""
         with self._cond:
             a = self._arrivals
-            return max(y - x for x, y in zip(a, a[1:])) if len(a) >= 2 else None
+            return max(y - x for x, y in zip(a, a[1:], strict=False)) if len(a) >= 2 else None
 
     def final(self, max_s: float = FINAL_SCRAPE_MAX_S) -> bool:
         """Call after the last update: wait until a scrape that arrived from now on was served.
