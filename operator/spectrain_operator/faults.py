@@ -52,8 +52,14 @@ import json
 import re
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
+from spectrain_operator.objects import DRAFTER, MPS_DAEMON, TARGET
+from spectrain_operator.pods import (
+    container_status,
+    is_deleted,
+    last_termination,
+    parse_time,
+)
 from spectrain_workloads.contract import (
     EXIT_CONFIG,
     EXIT_OK,
@@ -64,10 +70,7 @@ from spectrain_workloads.contract import (
 )
 from spectrain_workloads.exitcodes import GPU_FAULT_TEXT
 
-TARGET = "target"
-DRAFTER = "drafter"
-MPS = "mps"
-MPS_DAEMON_CONTAINER = "mps-daemon"
+MPS = "mps"  # PodFault.container of an MPS loss (TARGET, DRAFTER: the containers' names)
 
 EXIT_UNKNOWN = -1
 
@@ -109,35 +112,14 @@ class _Exit:
     restarts: int
 
 
-def _parse_time(value: Any) -> datetime | None:
-    if not value:
-        return None
-    if isinstance(value, datetime):
-        return value
-    try:
-        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        return None
-
-
-def _status(statuses: list[dict] | None, name: str) -> dict | None:
-    for s in statuses or []:
-        if s.get("name") == name:
-            return s
-    return None
-
-
 def _last_exit(status: dict | None) -> _Exit | None:
     """The container's most recent termination: the current state, else lastState."""
-    if status is None:
+    term = last_termination(status)
+    if status is None or term is None:
         return None
-    restarts = int(status.get("restartCount") or 0)
-    for key in ("state", "lastState"):
-        term = (status.get(key) or {}).get("terminated")
-        if term:
-            return _Exit(int(term.get("exitCode", EXIT_UNKNOWN)), str(term.get("reason") or ""),
-                         str(term.get("message") or ""), _parse_time(term.get("finishedAt")), restarts)
-    return None
+    return _Exit(int(term.get("exitCode", EXIT_UNKNOWN)), str(term.get("reason") or ""),
+                 str(term.get("message") or ""), parse_time(term.get("finishedAt")),
+                 int(status.get("restartCount") or 0))
 
 
 def _is_gpu_fault(e: _Exit) -> bool:
@@ -223,18 +205,16 @@ def _from_verdict(t: _Exit, v: dict) -> PodFault | None:
 
 def classify_pod(pod: dict) -> PodFault | None:
     """The pod's fault, or None (running fine, succeeded, or being deleted)."""
-    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+    if is_deleted(pod):
         return None
     status = pod.get("status") or {}
-    containers = status.get("containerStatuses") or []
-    inits = status.get("initContainerStatuses") or []
-    t_status = _status(containers, TARGET)
+    t_status = container_status(pod, TARGET)
     t = None
     if t_status is not None:
         term = (t_status.get("state") or {}).get("terminated")
         t = _last_exit(t_status) if term else None
-    d = _last_exit(_status(inits, DRAFTER))
-    m = _last_exit(_status(inits, MPS_DAEMON_CONTAINER))
+    d = _last_exit(container_status(pod, DRAFTER, init=True))
+    m = _last_exit(container_status(pod, MPS_DAEMON, init=True))
 
     if t is not None:
         verdict = _supervisor_verdict(t.message)
@@ -355,7 +335,7 @@ def action_for(fault: PodFault, job: dict) -> str:
       otherwise the first rule for the drafter, applied in place (FailJob, RestartWithoutDrafter ->
       DisableDrafter; RestartJob -> RestartJobIgnoreMax); without a rule, Ignore while
       `restarts < drafter.maxFailures`, then DisableDrafter. `fault.restarts` must count the
-      drafter's own failures (status.py subtracts the peer-frame exits from restartCount). Exit 2
+      drafter's own failures (policy/drafter.py subtracts the peer-frame exits from restartCount). Exit 2
       included: a drafter's configuration error costs the job its drafter, never the job.
     - MPS losses caused by the drafter: the first rule for the drafter matching its exit code,
       made drafter-safe (so a rule can say RestartWithoutDrafter); default RestartJob.

@@ -41,14 +41,10 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from spectrain_operator.objects import LABEL_JOB, child_metadata
+from spectrain_operator.objects import DRAFTER, LABEL_JOB, MPS_DAEMON, TARGET, child_metadata
 from spectrain_operator.objects import get as _get
 
 MODES = ("DRA", "PodLocalMPS", "SingleContainer", "None")
-
-TARGET = "target"
-DRAFTER = "drafter"
-MPS_DAEMON = "mps-daemon"
 
 CLAIM_NAME = "gpu"  # pod-level resourceClaims[].name, referenced by containers[].resources.claims
 DRA_REQUEST_NAME = "gpus"  # devices.requests[].name inside the ResourceClaimTemplate

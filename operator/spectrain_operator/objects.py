@@ -1,4 +1,5 @@
-"""Small pure helpers every builder shares: labels, ownerReferences, child metadata, safe spec access.
+"""Small pure helpers every builder shares: labels, container names, ownerReferences, child metadata,
+safe spec access.
 
 Kept apart from builders.py so gpu_sharing.py and scheduling.py (which builders.py calls) can use
 them without an import cycle.
@@ -13,6 +14,10 @@ from spectrain_workloads.contract import API_VERSION, GROUP, KIND
 LABEL_JOB = f"{GROUP}/job-name"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "spectrain-operator"
+
+TARGET = "target"              # a rank's pod's containers by name: the trainer,
+DRAFTER = "drafter"            # the drafter sidecar (an init container, restartPolicy Always),
+MPS_DAEMON = "mps-daemon"      # the PodLocalMPS control daemon sidecar (gpu_sharing)
 
 Obj = dict[str, Any]
 

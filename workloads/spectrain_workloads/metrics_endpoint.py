@@ -65,7 +65,7 @@ class Endpoint:
 
         family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         server_class = type("_FamilyServer", (_Server,), {"address_family": family})
-        self.server = make_server(addr, port, tracked, server_class, handler_class=_Quiet)
+        self.server: WSGIServer = make_server(addr, port, tracked, server_class, handler_class=_Quiet)
         self.port = int(self.server.server_address[1])
         self._thread = threading.Thread(target=self.server.serve_forever, name=f"metrics-{port}", daemon=True)
         self._thread.start()
