@@ -1,4 +1,4 @@
-"""Hugging Face targets on CUDA in bf16 (issue 18): a tiny random Llama built here with transformers.
+"""Hugging Face targets on CUDA in bf16: a tiny random Llama built here with transformers.
 
 - an HF stage in bf16 gives transformers' own bf16 logits (same layer code, same kernels), and its
   cached decode (static KV cache, boolean masks) stays within bf16 rounding of the full forward;

@@ -1,4 +1,4 @@
-"""Hugging Face targets end to end (issue 18): a tiny random Llama (untied) and Qwen2 (tied
+"""Hugging Face targets end to end: a tiny random Llama (untied) and Qwen2 (tied
 embeddings) built here with transformers, trained with 2 pipeline stages and the drafter through
 `spectrain run`. Checks: the pipelined loss is the single-process HF model's loss; the loss falls;
 the trained target loads with from_pretrained; the drafter export passes the serving conformance
