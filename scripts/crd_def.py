@@ -482,6 +482,9 @@ def status_schema() -> dict[str, Any]:
                        nullable=True),
         "podsCreated": b("Pods of the current restart generation were created (a missing pod then "
                          "means someone deleted it)."),
+        "fleetKeyUID": s("UID of the fleet-key Secret the operator created for this job, recorded before any "
+                         "pod mounts it: the operator may not read Secrets, so a Secret of that name it finds "
+                         "existing is accepted as the job's own only when this is set."),
         "drafterDisabled": b("The drafter was turned off: disabled in place (past drafter.maxFailures, or a "
                              f"drafter failurePolicy rule; pods annotated {C.ANNOTATION_DRAFTER_DISABLED}, the "
                              "target untouched), or by a RestartWithoutDrafter restart. Pods of later restart "

@@ -13,6 +13,9 @@ ERRORS = Counter("spectrain_reconcile_errors_total", "Errors while reconciling, 
 LATENCY = Histogram("spectrain_reconcile_duration_seconds", "Duration of one reconcile pass.",
                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 API_CALLS = Counter("spectrain_api_calls_total", "Requests to the Kubernetes API, by verb.", ["verb"])
+API_RETRIES = Counter("spectrain_api_retries_total",
+                      "API requests retried after a 429, a 5xx or a broken connection, by status.", ["status"])
+LEADER = Gauge("spectrain_leader", "1 while this replica holds the leader Lease (or runs without election).")
 CREATE_CONFLICTS = Counter("spectrain_create_conflicts_total",
                            "Creates answered 409 AlreadyExists (the object existed already), by kind.",
                            ["kind"])

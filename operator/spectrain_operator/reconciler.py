@@ -6,7 +6,8 @@ what to do, executes the plan through kube.Kube (children before pods, create-or
 Events, and writes the status once, only when it changed. Passes for one job never overlap:
 triggers that arrive while a pass runs are coalesced into one more pass.
 
-Requeues (backoff, deadlines, TTL, retries after an API error, and the periodic resync every
+Requeues (backoff, deadlines, TTL, retries after an API error (full-jitter exponential backoff
+per job, at least the server's Retry-After: ratelimit.py), and the periodic resync every
 `resync_s` that replaces kopf timers) live in one timer thread here rather than in kopf: kopf
 puts a finalizer on every object that has a timer (one more write per job, and jobs that cannot
 be deleted while no operator runs), and its create/update handlers keep a diff base in an
@@ -15,8 +16,6 @@ annotation (another write). With level-based passes neither is needed.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import os
 import secrets
@@ -31,7 +30,16 @@ from typing import Any
 from spectrain_operator import builders, gpu_sharing, metrics, scheduling
 from spectrain_operator import spec as specmod
 from spectrain_operator import status as statusmod
-from spectrain_operator.kube import DRA_API_VERSION, Kube, RejectedError, TransientError
+from spectrain_operator.kube import (
+    DRA_API_VERSION,
+    Kube,
+    OwnerConflict,
+    RejectedError,
+    TransientError,
+    UnverifiedConflict,
+)
+from spectrain_operator.ratelimit import REQUEUE_BASE_S, REQUEUE_CAP_S, Backoff
+from spectrain_operator.timers import Key, Timers
 from spectrain_workloads.contract import ANNOTATION_DRAFTER_DISABLED
 
 Obj = dict[str, Any]
@@ -39,7 +47,6 @@ log = logging.getLogger("spectrain.reconciler")
 
 _VALIDATION_CACHE_MAX = 4096
 _CREATE_WORKERS = 16
-_TIMER_WORKERS = 16
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -63,12 +70,13 @@ RESYNC_SECONDS = env_seconds("SPECTRAIN_RESYNC_SECONDS", 30.0)
 # pods are bound and started in a burst, and a pass per change would list all its pods each time
 # (bench-operator_scale, docs/benchmarks.md).
 POD_EVENT_DELAY_S = env_seconds("SPECTRAIN_POD_EVENT_DELAY_SECONDS", 0.5)
-RETRY_SECONDS = 5.0
+# The status field recording the UID of the fleet-key Secret this operator created for the job: the
+# operator may not read Secrets, so a 409 on that Secret is ours only when this UID was recorded.
+FLEET_KEY_UID_FIELD = "fleetKeyUID"
+FLEET_KEY_RECORD_ATTEMPTS = 12
 # How long an answer "the server does not serve resource.k8s.io/v1" is trusted (one served is
 # trusted for good): a cluster upgraded under a running operator is noticed within this.
 _API_ABSENT_TTL_S = 60.0
-
-Key = tuple[str, str]
 
 
 @dataclass
@@ -77,79 +85,35 @@ class _JobSlot:
     dirty: bool = False
 
 
-class _Timers:
-    """Every job's next requeue in one heap, served by one thread; due passes run on a small pool.
-
-    A key has at most one pending due time: scheduling it again keeps the earlier of the two.
-    The pending entry is dropped before its pass runs, so the pass can schedule the next one.
-    """
-
-    def __init__(self, fire: Callable[[Key], None]):
-        self._fire = fire
-        self._heap: list[tuple[float, int, Key]] = []
-        self._due: dict[Key, float] = {}
-        self._seq = itertools.count()
-        self._cv = threading.Condition()
-        self._closed = False
-        self._pool = ThreadPoolExecutor(_TIMER_WORKERS, thread_name_prefix="spectrain-requeue")
-        threading.Thread(target=self._run, name="spectrain-timers", daemon=True).start()
-
-    def schedule(self, key: Key, seconds: float) -> None:
-        due = time.monotonic() + seconds
-        with self._cv:
-            if self._closed or self._due.get(key, float("inf")) <= due:
-                return
-            self._due[key] = due
-            heapq.heappush(self._heap, (due, next(self._seq), key))
-            self._cv.notify()
-
-    def cancel(self, key: Key) -> None:
-        with self._cv:
-            self._due.pop(key, None)   # its heap entry is skipped when it comes up
-
-    def pending(self, key: Key) -> float | None:
-        with self._cv:
-            due = self._due.get(key)
-        return None if due is None else due - time.monotonic()
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._due.clear()
-            self._cv.notify()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _run(self) -> None:
-        with self._cv:
-            while not self._closed:
-                now = time.monotonic()
-                while self._heap and self._heap[0][0] <= now:
-                    due, _, key = heapq.heappop(self._heap)
-                    if self._due.get(key) == due:
-                        del self._due[key]
-                        self._pool.submit(self._fire, key)
-                self._cv.wait(self._heap[0][0] - now if self._heap else None)
-
-
 class Reconciler:
     def __init__(self, kube: Kube, *, clock: Callable[[], datetime] | None = None,
-                 resync_s: float = RESYNC_SECONDS, retry_s: float = RETRY_SECONDS):
+                 resync_s: float = RESYNC_SECONDS, retry: Backoff | None = None):
         self.kube = kube
         self.clock = clock or (lambda: datetime.now(timezone.utc))
-        self.resync_s, self.retry_s = resync_s, retry_s
+        self.resync_s = resync_s
+        self.retry = retry or Backoff(REQUEUE_BASE_S, REQUEUE_CAP_S)
+        self._failures: dict[Key, int] = {}
         self._slots: dict[Key, _JobSlot] = {}
         self._slots_lock = threading.Lock()
         self._validation: dict[tuple[str, int], list[str]] = {}
         self._served: dict[str, tuple[bool, float]] = {}
         self.passes = 0
         self.closed = False
-        # False while kopf peering has paused this replica (handlers.py): kopf then delivers no
-        # events, and the requeue timers must not act for it either.
-        self.active = True
+        # Whether this replica may act: the leader Lease (leader.py) when elections are on. Consulted
+        # before every pass, so a replica that loses the Lease stops at its next pass.
+        self.gate: Callable[[], bool] = lambda: True
         # Creates of one pass go out concurrently (one round trip for the children, one for the
         # pods, instead of one per object): a burst of new jobs is bound by API latency.
         self._pool = ThreadPoolExecutor(_CREATE_WORKERS, thread_name_prefix="spectrain-create")
-        self._timers = _Timers(self._fire)
+        self._timers = Timers(self._fire)
+
+    @property
+    def active(self) -> bool:
+        return self.gate()
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self.gate = lambda: value
 
     # ------------------------------------------------------------ triggering
 
@@ -185,11 +149,17 @@ class Reconciler:
     def handle(self, namespace: str, name: str, fresh: Obj | None = None) -> None:
         """`trigger`, for kopf handlers and timers: an error is logged and the pass requeued
         (soon after a transient API error, at the next resync otherwise); nothing raises."""
+        if not self.active:
+            return   # another replica leads; this one resyncs every job when it takes over
+        key = (namespace, name)
         try:
             self.trigger(namespace, name, fresh)
+            self._failures.pop(key, None)
         except TransientError as exc:
-            log.warning("reconcile of %s/%s: %s; retrying in %.0f s", namespace, name, exc, self.retry_s)
-            self.requeue(namespace, name, self.retry_s)
+            failures = self._failures[key] = self._failures.get(key, 0) + 1
+            delay = self.retry.delay(failures - 1, exc.retry_after)
+            log.warning("reconcile of %s/%s: %s; retrying in %.1f s", namespace, name, exc, delay)
+            self.requeue(namespace, name, delay)
         except RejectedError as exc:
             # The operator itself is not allowed to do something (RBAC) or sent something invalid:
             # retrying at once will not help; the resync tries again.
@@ -221,6 +191,7 @@ class Reconciler:
     def forget(self, namespace: str, name: str) -> None:
         with self._slots_lock:
             self._slots.pop((namespace, name), None)
+        self._failures.pop((namespace, name), None)
         self._timers.cancel((namespace, name))
         metrics.forget(namespace, name)
 
@@ -315,7 +286,7 @@ class Reconciler:
         """The job is gone (its DELETED event): forget it; if Kueue queued it, let Kueue finish
         its pod group (the garbage collector deletes the pods; Kueue would keep them)."""
         self.forget(namespace, name)
-        if scheduling.kueue_queue(job):
+        if scheduling.kueue_queue(job) and self.active:
             self._release_kueue(namespace, self.kube.list_pods(namespace, builders.selector(job)))
 
     def _release_kueue(self, namespace: str, pods: list[Obj]) -> None:
@@ -338,23 +309,57 @@ class Reconciler:
             # bytes are fresh on every such pass, but create-or-get keeps the first Secret: one key
             # per job, never rotated while the job lives.
             key = secrets.token_bytes(builders.FLEET_KEY_BYTES)
-            self._create_all([*builders.children(job, fleet_key=key), *extras])
-            self._create_all(pod_objs)
+            created, error = self._create_all([*builders.children(job, fleet_key=key), *extras], job)
+            # Recorded even when another child failed: the next pass will meet this Secret as a 409.
+            self._record_fleet_key(job, created)
+            if error is not None:
+                raise error
+            _, error = self._create_all(pod_objs, job)
+            if error is not None:
+                raise error
         except (ValueError, RejectedError) as exc:  # a builder refusing the spec, or the API server refusing a child
             return statusmod.decide(job, pods, now, [str(exc)])
         return plan
 
-    def _create_all(self, objs: list[Obj]) -> None:
-        """Create-or-get every object concurrently; raise the first error once all are done."""
-        if len(objs) <= 1:
-            for obj in objs:
-                self.kube.create(obj)
-            return
-        futures = [self._pool.submit(self.kube.create, obj) for obj in objs]
+    def _create_all(self, objs: list[Obj], job: Obj) -> tuple[list[Obj], BaseException | None]:
+        """Create-or-get every object concurrently; (those newly created, the first error once all
+        are done, a refusal before a transient error)."""
+        futures = [self._pool.submit(self._create_one, obj, job) for obj in objs]
         errors = [exc for f in futures if (exc := f.exception()) is not None]
         rejected = [e for e in errors if isinstance(e, RejectedError)]
-        if rejected or errors:
-            raise (rejected or errors)[0]
+        created = [c for f in futures if f.exception() is None and (c := f.result()) is not None]
+        return created, (rejected or errors or [None])[0]
+
+    def _create_one(self, obj: Obj, job: Obj) -> Obj | None:
+        try:
+            return self.kube.create(obj)
+        except UnverifiedConflict:
+            # The fleet-key Secret exists and the operator cannot read it: it is the job's own only if
+            # the job's status recorded the UID of the one this operator created (_record_fleet_key).
+            # Anyone who may create Secrets in the namespace could otherwise plant a key of their choosing.
+            status = job.get("status")
+            if isinstance(status, dict) and _fleet_key_recorded(status):
+                return None
+            raise OwnerConflict(obj, ["unknown: the operator may not read Secrets; this job never recorded "
+                                      "creating it (status." + FLEET_KEY_UID_FIELD + ")"]) from None
+
+    def _record_fleet_key(self, job: Obj, created: list[Obj]) -> None:
+        """Write the UID of a fleet-key Secret just created into the job's status before any pod that
+        mounts it exists (a pass failing in between leaves an orphan the garbage collector removes
+        with the job, and the next pass makes a new one)."""
+        uid = next((str(c["metadata"]["uid"]) for c in created
+                    if c.get("kind") == "Secret" and c["metadata"].get("name") == builders.fleet_key_name(job)
+                    and c["metadata"].get("uid")), None)
+        if uid is None:
+            return
+        meta = job["metadata"]
+        # More tries than a plain request: losing this record would make the job's own Secret look
+        # foreign to the next pass (the write is an idempotent merge patch).
+        self.kube.patch_status(meta["namespace"], meta["name"], {FLEET_KEY_UID_FIELD: uid},
+                               attempts=FLEET_KEY_RECORD_ATTEMPTS)
+        if not isinstance(job.get("status"), dict):
+            job["status"] = {}
+        job["status"][FLEET_KEY_UID_FIELD] = uid
 
     def _finish_invalid(self, job: Obj, errors: list[str]) -> statusmod.Plan | None:
         """A spec that is not even structurally usable for decide(): report it and stop."""
@@ -396,11 +401,24 @@ class Reconciler:
 
     def _write_status(self, job: Obj, new: Obj, old: Obj, events: list[statusmod.Event]) -> None:
         meta = job["metadata"]
+        # status.decide builds the status from its own fields; the fleet key's record is the
+        # reconciler's and must survive every write (a missing key would be deleted by the patch).
+        recorded = (job.get("status") or {}).get(FLEET_KEY_UID_FIELD) if isinstance(job.get("status"), dict) else None
+        if recorded and FLEET_KEY_UID_FIELD not in new:
+            new = {**new, FLEET_KEY_UID_FIELD: recorded}
         if _pruned(new) != _pruned(old):
             self.kube.patch_status(meta["namespace"], meta["name"], new, old)
         for event in events:
             log.info("%s/%s %s: %s", meta["namespace"], meta["name"], event.reason, event.message[:200])
             self.kube.post_event(job, event)
+
+
+def _fleet_key_recorded(status: Obj) -> bool:
+    """Whether the job's status shows the operator created its fleet-key Secret: the recorded UID,
+    or (jobs from operator versions before the record) pods created once, which only ever happens
+    after the Secret was created."""
+    return bool(status.get(FLEET_KEY_UID_FIELD) or status.get("podsCreated") is True
+                or status.get("startTime") or int(status.get("restarts") or 0) > 0)
 
 
 def _pruned(value: Any) -> Any:

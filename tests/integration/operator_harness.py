@@ -35,9 +35,10 @@ class Operator:
     """`python -m spectrain_operator` as a child process; logs go to a file."""
 
     def __init__(self, kubeconfig: Path, namespace: str, log_path: Path, resync_s: float = 1.0,
-                 metrics_port: int = 0):
+                 metrics_port: int = 0, extra_args: tuple[str, ...] = ()):
         self.kubeconfig, self.namespace, self.log_path, self.resync_s = kubeconfig, namespace, log_path, resync_s
         self.metrics_port = metrics_port    # 0: no /metrics server
+        self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
 
@@ -49,7 +50,8 @@ class Operator:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "spectrain_operator", "--standalone", "--namespace", self.namespace,
-                 f"--liveness=http://127.0.0.1:{self.port}/healthz", f"--metrics-port={self.metrics_port}"],
+                 f"--liveness=http://127.0.0.1:{self.port}/healthz", f"--metrics-port={self.metrics_port}",
+                 *self.extra_args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
                 start_new_session=True)
         return self

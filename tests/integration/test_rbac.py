@@ -7,8 +7,9 @@
   ClusterRole, that one permission is removed and a fresh operator process runs the scenarios:
   some scenario must fail. A scenario fails when an expected outcome does not appear before its
   deadline, or as soon as the apiserver's audit log shows a request of the operator answered 403.
-- `test_failover`: two replicas with kopf peering (rendered with replicaCount 2); the active one is
-  SIGKILLed and the standby reconciles a new job within 30 s.
+- `test_failover`: two replicas with leader election (rendered with replicaCount 2): exactly one holds
+  the coordination.k8s.io Lease and acts, the other does nothing; the leader is SIGKILLed and the
+  follower takes the Lease over within the lease duration (plus one retry period) and reconciles.
 
 The tests play the kubelet (there is none): they patch pods/status with container exit codes.
 """
@@ -66,11 +67,15 @@ class Env:
     def __init__(self, kube: KubeAPI, tmp: Path, values: dict[str, Any], release: str = RELEASE) -> None:
         self.kube, self.tmp = kube, tmp
         self.docs = render(values, release)
-        peerings = [d for d in self.docs if d["kind"] == "ClusterKopfPeering"]
-        self.peering = peerings[0]["metadata"]["name"] if peerings else None
         self.dep = one(self.docs, "Deployment")
         roles = [d for d in self.docs if d["kind"] == "ClusterRole"]
         self.role = roles[0] if roles else {}
+        lease_roles = [d for d in self.docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader-election")]
+        self.lease_role = lease_roles[0] if lease_roles else {}
+        env = {e["name"]: e.get("value") for e in self.dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+        self.lease = env.get("SPECTRAIN_LEASE_NAME")
+        self.lease_duration = float(env.get("SPECTRAIN_LEASE_DURATION") or 0)
+        self.coordination = client.CoordinationV1Api(kube.api_client())
         sa = one(self.docs, "ServiceAccount")["metadata"]["name"]
         self.user = f"system:serviceaccount:{OP_NS}:{sa}"
         self.core = client.CoreV1Api(kube.api_client())
@@ -84,23 +89,41 @@ class Env:
             kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
         # Everything the chart renders that the 1.20 apiserver knows (not the Deployment: no kubelet).
         for d in self.docs:
-            if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering",
-                             "Role", "RoleBinding"):
+            if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"):
                 kube.apply(d)
         self.kubeconfig = kube.kubeconfig_for_service_account(OP_NS, sa)
         self._n = itertools.count()
 
-    def reset_peering(self) -> None:
-        """Forget every peer (test hygiene between operator runs, never during a failover)."""
-        if self.peering:
-            self.custom.patch_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", self.peering,
-                                                    {"status": None})
+    def reset_lease(self) -> None:
+        """Delete the leader Lease (test hygiene between operator runs, never during a failover): a
+        killed holder's Lease would otherwise make the next run wait out its duration."""
+        if self.lease:
+            try:
+                self.coordination.delete_namespaced_lease(self.lease, OP_NS)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+
+    def lease_spec(self) -> dict[str, Any]:
+        try:
+            lease = self.coordination.read_namespaced_lease(self.lease, OP_NS)
+        except ApiException as e:
+            if e.status == 404:
+                return {}
+            raise
+        return dict(client.ApiClient().sanitize_for_serialization(lease.spec) or {})
 
     def set_rules(self, rules: list[dict[str, Any]]) -> None:
         body = copy.deepcopy(self.role)
         body["rules"] = rules
         rbac = client.RbacAuthorizationV1Api(self.kube.api_client())
         rbac.replace_cluster_role(body["metadata"]["name"], body)
+
+    def set_lease_rules(self, rules: list[dict[str, Any]]) -> None:
+        body = copy.deepcopy(self.lease_role)
+        body["rules"] = rules
+        rbac = client.RbacAuthorizationV1Api(self.kube.api_client())
+        rbac.replace_namespaced_role(body["metadata"]["name"], OP_NS, body)
 
     def allowed(self, verb: str, group: str, resource: str, namespace: str = "default",
                 subresource: str = "", name: str = "") -> bool:
@@ -137,12 +160,12 @@ class Env:
                     raise
 
 
-HA_VALUES = {"replicaCount": 2, "peering": {"lifetime": 10}}
+HA_VALUES = {"replicaCount": 2, "leaderElection": {"leaseDurationSeconds": 8}}
 
 
 @pytest.fixture(scope="module")
 def envs(kube: KubeAPI, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Env]:
-    """Two installs side by side: the default (one replica, standalone) and HA (peering rules too)."""
+    """Two installs side by side: the default (one replica, standalone) and HA (Lease rules too)."""
     out = {"default": Env(kube, tmp_path_factory.mktemp("rbac-default"), {}),
            "ha": Env(kube, tmp_path_factory.mktemp("rbac-ha"), HA_VALUES, release="spectrain-ha")}
     kube.start_controller_manager()  # after the CRDs are established: GC of job children
@@ -305,7 +328,7 @@ def run_scenarios(env: Env, label: str, ns: str | None = None) -> tuple[str | No
     """Run every scenario under one fresh operator (in a fresh namespace unless `ns` is given);
     return (first failure or None, seconds)."""
     ns = ns or env.namespace(f"rbac-{label}"[:50])
-    env.reset_peering()
+    env.reset_lease()
     op = env.operator().start()
     t0 = time.monotonic()
     run = Run(env, op, ns)
@@ -380,24 +403,30 @@ def test_watch_selected_namespaces_install(kube: KubeAPI, tmp_path: Path) -> Non
 
 
 def test_every_rule_is_needed(envs: dict[str, Env]) -> None:
-    """Minimality over the HA render, whose rules are the default's plus peering's."""
+    """Minimality over the HA render: its ClusterRole (the default's rules) and the leader-election
+    Role in the release namespace (the Lease: create, get and update)."""
     env = envs["ha"]
-    rules = env.role["rules"]
-    assert {json.dumps(r, sort_keys=True) for r in envs["default"].role["rules"]} <= \
+    rules, lease_rules = env.role["rules"], env.lease_role["rules"]
+    assert {json.dumps(r, sort_keys=True) for r in envs["default"].role["rules"]} == \
         {json.dumps(r, sort_keys=True) for r in rules}
-    atoms = permission_atoms(rules)
+    atoms = [("cluster", a) for a in permission_atoms(rules)] + [("lease", a) for a in permission_atoms(lease_rules)]
     assert len(atoms) >= 10
     unneeded, report = [], []
     try:
-        for atom in atoms:
+        for where, atom in atoms:
             i, res, verb = atom
-            group = rules[i]["apiGroups"][0]
-            env.set_rules(without(rules, atom))
+            rule = (rules if where == "cluster" else lease_rules)[i]
+            group = rule["apiGroups"][0]
+            if where == "cluster":
+                env.set_rules(without(rules, atom))
+            else:
+                env.set_lease_rules(without(lease_rules, atom))
             resource, sub = _split(res)
             # RBAC reads roles from an informer: wait until the removal is in force.
-            name = (rules[i].get("resourceNames") or [""])[0]
+            name = (rule.get("resourceNames") or [""])[0]
+            namespace = "default" if where == "cluster" else OP_NS
             deadline = time.monotonic() + 10
-            while env.allowed(verb, group, resource, subresource=sub, name=name):
+            while env.allowed(verb, group, resource, namespace=namespace, subresource=sub, name=name):
                 assert time.monotonic() < deadline, f"removing {verb} {group}/{res} never took effect"
                 time.sleep(0.05)
             failure, seconds = run_scenarios(env, f"{verb}-{resource}")
@@ -405,61 +434,59 @@ def test_every_rule_is_needed(envs: dict[str, Env]) -> None:
                           f"{(failure or 'NO SCENARIO FAILED').splitlines()[0][:140]}")
             if failure is None:
                 unneeded.append(f"{verb} {group}/{res}")
+            env.set_rules(rules)
+            env.set_lease_rules(lease_rules)
     finally:
         env.set_rules(rules)
+        env.set_lease_rules(lease_rules)
     print("\n".join(report))
     assert unneeded == [], f"rules no scenario needs (remove them, or add a scenario): {unneeded}"
 
 
-def paused(log: str) -> bool:
-    """Whether kopf's last word on peering in this log was a pause (replicas start paused)."""
-    resumed = log.rfind("Resuming operations")
-    return resumed < 0 or log.rfind("Pausing operations") > resumed
+def _holder(env: Env) -> str:
+    """The pod name part of the Lease's holderIdentity (`<pod>_<random>`), '' when none holds it."""
+    return str(env.lease_spec().get("holderIdentity") or "").rpartition("_")[0]
 
 
 def test_failover(envs: dict[str, Env]) -> None:
     ha = envs["ha"]
     ha.set_rules(ha.role["rules"])
-    ha.reset_peering()
-    peering = ha.peering
+    ha.set_lease_rules(ha.lease_role["rules"])
+    ha.reset_lease()
     ns = ha.namespace("failover")
     a, b = ha.operator("replica-a").start(), ha.operator("replica-b").start()
+    ops = {"replica-a": a, "replica-b": b}
     try:
         a.wait_healthy(30)
         b.wait_healthy(30)
-        # Both replicas appear in the peering object; the higher priority is the active one.
-        def peers() -> dict[str, Any]:
-            obj = ha.custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", peering)
-            status = obj.get("status") or {}
-            return status if {"replica-a", "replica-b"} <= set(status) else {}
-
-        status = Run(ha, a, ns).expect(peers, "both replicas in the peering object", timeout=30)
-        prio = {k: v["priority"] for k, v in status.items() if k in ("replica-a", "replica-b")}
-        assert prio["replica-a"] != prio["replica-b"], f"replicas drew the same priority: {prio}"
-        active, standby = (a, b) if prio["replica-a"] > prio["replica-b"] else (b, a)
-
-        r = Run(ha, active, ns)
-        # kopf starts a replica paused and resumes it when it sees no higher-priority peer; the
-        # standby may resume for a moment before the active peer's record reaches it.
-        r.expect(lambda: not paused(active.log()), "the active replica to run")
-        r.expect(lambda: paused(standby.log()), "the standby to pause")
-        standby_log_before = len(standby.log())
+        r = Run(ha, a, ns)
+        leader_name = r.expect(lambda: _holder(ha), "one replica to hold the Lease", timeout=30)
+        leader, follower = ops[leader_name], ops[next(n for n in ops if n != leader_name)]
+        r = Run(ha, leader, ns)
+        follower_log_before = len(follower.log())
         r.create_job("before")
-        r.expect(lambda: r.pods("before"), "the active replica to reconcile a job")
+        r.expect(lambda: r.pods("before"), "the leader to reconcile a job")
         # the reconciler logs every transition of a job as "<namespace>/<name> <reason>: ..."
-        r.expect(lambda: f"{ns}/before " in active.log(), "the active replica's log of the new job")
-        assert paused(standby.log()) and f"{ns}/before" not in standby.log()[standby_log_before:], \
-            "the standby handled a job while paused"
+        r.expect(lambda: f"{ns}/before " in leader.log(), "the leader's log of the new job")
+        assert f"{ns}/before" not in follower.log()[follower_log_before:], "the follower acted on a job"
+        assert _holder(ha) == leader_name
 
-        active.kill()
+        transitions = int(ha.lease_spec().get("leaseTransitions") or 0)
+        leader.kill()
         killed_at = time.monotonic()
-        r2 = Run(ha, standby, ns)
+        r2 = Run(ha, follower, ns)
+        r2.expect(lambda: _holder(ha) == follower.pod_name, "the follower to take the Lease over", timeout=30)
+        handover = time.monotonic() - killed_at
         r2.create_job("after")
-        r2.expect(lambda: r2.pods("after") and r2.phase("after"), "the standby to take over", timeout=30)
+        r2.expect(lambda: r2.pods("after") and r2.phase("after"), "the new leader to reconcile", timeout=30)
         took = time.monotonic() - killed_at
-        assert not paused(standby.log())
-        print(f"failover: standby reconciled {took:.1f}s after SIGKILL of the active replica")
-        assert took <= 30
+        spec = ha.lease_spec()
+        assert int(spec.get("leaseTransitions") or 0) == transitions + 1
+        print(f"failover: Lease handed over {handover:.1f}s after SIGKILL of the leader (lease duration "
+              f"{ha.lease_duration:.0f}s); the new leader reconciled a new job {took:.1f}s after it")
+        # A follower takes over once it has seen no renewal for the lease duration; it notices the
+        # last renewal up to one retry period (2/15 of the duration) late.
+        assert handover <= ha.lease_duration * (1 + 2 / 15) + 1.0
     finally:
         a.stop()
         b.stop()

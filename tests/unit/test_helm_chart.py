@@ -20,14 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "spectrain-operator"
 KUBE_VERSION = "1.34"
 RELEASE, NAMESPACE = "spectrain", "spectrain-system"
-# CRDs the chart owns itself (kopf's peering resources); everything else in crds/ is a copy.
-CHART_OWNED_CRDS = {"kopf.dev_peerings.yaml"}
+# CRDs the chart owns itself; everything else in crds/ is a copy of the top-level crds/.
+CHART_OWNED_CRDS: set[str] = set()
 # Prometheus Operator kinds beside the ServiceMonitor the chart may render (opt-in).
 MONITORING_CRD_KINDS = {"PodMonitor", "PrometheusRule"}
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
-    "ha": {"replicaCount": 2, "peering": {"lifetime": 10}},
+    "ha": {"replicaCount": 2, "leaderElection": {"leaseDurationSeconds": 10}, "api": {"qps": 50, "burst": 80}},
     "namespaced-ha": {"replicaCount": 3, "watchNamespaces": ["team-a", "team-b"]},
     "everything": {
         "replicaCount": 2,
@@ -46,7 +46,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "nodeSelector": {"kubernetes.io/os": "linux"},
         "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
     },
-    "minimal": {"metrics": {"enabled": False}, "peering": {"enabled": False}, "logging": {"level": "verbose"}},
+    "minimal": {"metrics": {"enabled": False}, "leaderElection": {"enabled": False}, "logging": {"level": "verbose"}},
     "no-network-policy": {"networkPolicy": {"enabled": False}},
     "monitoring": {
         "metrics": {"serviceMonitor": {"enabled": True}},
@@ -206,7 +206,7 @@ def test_default_deployment_is_hardened() -> None:
     assert "--log-format=json" in c["args"] and "--metrics-port=9090" in c["args"]
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     assert not by_kind(docs, "PodDisruptionBudget")
-    assert not by_kind(docs, "ClusterKopfPeering")
+    assert not by_kind(docs, "Role")   # no leader-election Role with one replica
     # monitoring objects (ServiceMonitor, PodMonitor, PrometheusRule, dashboard ConfigMap) are opt-in
     assert {d["kind"] for d in docs} == {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
                                          "Service", "NetworkPolicy"}
@@ -223,39 +223,52 @@ def test_operator_cli_accepts_the_rendered_args(variant: str, monkeypatch: pytes
     from spectrain_operator.__main__ import parse_args
 
     c = _container(render(VARIANTS[variant]))
+    fields = {"metadata.namespace": NAMESPACE, "metadata.name": "op-0"}   # what the kubelet resolves
     for e in c.get("env", []):
         if "value" in e:
             monkeypatch.setenv(e["name"], e["value"])
+        elif "fieldRef" in e.get("valueFrom", {}):
+            monkeypatch.setenv(e["name"], fields[e["valueFrom"]["fieldRef"]["fieldPath"]])
     args = parse_args(c["args"])
     assert args.liveness.endswith("/healthz")
-    if "--peering=spectrain-operator" in c["args"]:
-        assert args.peering == "spectrain-operator" and args.priority > 0
-        assert args.peering_lifetime == VARIANTS[variant].get("peering", {}).get("lifetime", 15)
+    values = VARIANTS[variant]
+    if "--leader-elect" in c["args"]:
+        assert args.leader_elect and args.lease_name == "spectrain-operator"
+        assert args.lease_namespace == NAMESPACE
+        assert args.lease_duration == values.get("leaderElection", {}).get("leaseDurationSeconds", 15)
     else:
         assert args.standalone
+    assert (args.qps, args.burst) == (values.get("api", {}).get("qps", 200), values.get("api", {}).get("burst", 400))
     assert args.log_format in ("json", "plain")
 
 
-def test_random_priorities_differ(monkeypatch: pytest.MonkeyPatch) -> None:
-    from spectrain_operator.__main__ import parse_args
+def test_lease_identities_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spectrain_operator.__main__ import identity
 
-    monkeypatch.setenv("SPECTRAIN_PEERING_PRIORITY", "random")
-    assert len({parse_args([]).priority for _ in range(20)}) == 20
+    monkeypatch.setenv("POD_ID", "op-0")
+    ids = {identity() for _ in range(20)}
+    assert len(ids) == 20 and all(i.startswith("op-0_") for i in ids)
 
 
-def test_ha_renders_pdb_peering_and_rules() -> None:
+def test_ha_renders_pdb_lease_role_and_rules() -> None:
     docs = render(VARIANTS["ha"])
     c = _container(docs)
     assert one(docs, "Deployment")["spec"]["replicas"] == 2
     assert one(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
-    assert "--peering=spectrain-operator" in c["args"] and "--standalone" not in c["args"]
+    assert "--leader-elect" in c["args"] and "--standalone" not in c["args"]
     env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["SPECTRAIN_PEERING_PRIORITY"] == "random"
-    assert env["SPECTRAIN_PEERING_LIFETIME"] == "10"
-    assert "POD_ID" in env
-    assert one(docs, "ClusterKopfPeering")["metadata"]["name"] == "spectrain-operator"
+    assert env["SPECTRAIN_LEASE_NAME"] == "spectrain-operator" and env["SPECTRAIN_LEASE_DURATION"] == "10"
+    assert (env["SPECTRAIN_API_QPS"], env["SPECTRAIN_API_BURST"]) == ("50", "80")
+    assert "POD_ID" in env and "SPECTRAIN_OPERATOR_NAMESPACE" in env
+    role = one(docs, "Role")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["spectrain-operator"],
+         "verbs": ["get", "update"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]}]
+    assert one(docs, "RoleBinding")["roleRef"]["name"] == role["metadata"]["name"]
     rules = one(docs, "ClusterRole")["rules"]
-    assert any(r["apiGroups"] == ["kopf.dev"] and r["resources"] == ["clusterkopfpeerings"] for r in rules)
+    assert not any("leases" in r["resources"] for r in rules)   # nothing cluster-wide for the Lease
     anti = one(docs, "Deployment")["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
     assert anti["preferredDuringSchedulingIgnoredDuringExecution"]
 
@@ -263,14 +276,14 @@ def test_ha_renders_pdb_peering_and_rules() -> None:
 def test_watch_selected_namespaces_has_no_cluster_scope() -> None:
     docs = render(VARIANTS["namespaced-ha"])
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
-    assert not by_kind(docs, "ClusterKopfPeering")
     roles = by_kind(docs, "Role")
-    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "RoleBinding")) == ["team-a", "team-b"]
-    assert sorted(p["metadata"]["namespace"] for p in by_kind(docs, "KopfPeering")) == ["team-a", "team-b"]
+    # a Role per watched namespace, and the leader-election Role in the release namespace
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["spectrain-system", "team-a", "team-b"]
+    assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "RoleBinding")) == \
+        ["spectrain-system", "team-a", "team-b"]
     for r in roles:
-        assert any(rule["resources"] == ["kopfpeerings"] for rule in r["rules"])
-        assert not any("clusterkopfpeerings" in rule["resources"] for rule in r["rules"])
+        leases = [rule for rule in r["rules"] if "leases" in rule["resources"]]
+        assert bool(leases) == (r["metadata"]["namespace"] == "spectrain-system")
     args = _container(docs)["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
 
@@ -345,11 +358,14 @@ def test_operator_network_policy_opens_only_its_two_ports() -> None:
 
 
 def test_operator_may_create_network_policies_and_nothing_more_on_them() -> None:
+    """create, and get for the owner check on a 409 (kube.Kube.create): no update, patch or delete."""
     for variant in ("default", "namespaced-ha"):
         for role in by_kind(render(VARIANTS[variant]), "ClusterRole") + by_kind(render(VARIANTS[variant]), "Role"):
+            if role["metadata"]["name"].endswith("-leader-election"):
+                continue
             rules = [r for r in role["rules"] if "networking.k8s.io" in r["apiGroups"]]
             assert rules == [{"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
-                              "verbs": ["create"]}], role["metadata"]
+                              "verbs": ["create", "get"]}], role["metadata"]
 
 
 def test_minimal_variant_has_no_metrics_objects() -> None:
@@ -363,7 +379,7 @@ def test_minimal_variant_has_no_metrics_objects() -> None:
 
 def test_notes_mention_the_essentials() -> None:
     text = notes(VARIANTS["ha"])
-    assert "spectrain-spectrain-operator" in text and "peering" in text and "crds/" in text
+    assert "spectrain-spectrain-operator" in text and "leader Lease" in text and "crds/" in text
 
 
 @pytest.mark.parametrize("bad", [

@@ -34,7 +34,7 @@ def test_nobody_scraping_ends_at_once() -> None:
         g.set(2)
         t0 = time.monotonic()
         assert ep.final() is False
-        assert time.monotonic() - t0 < 0.05
+        assert time.monotonic() - t0 < 0.5     # no wait: far below any interval's 1.5 x
     finally:
         ep.stop()
 
@@ -74,7 +74,7 @@ def test_a_scraper_that_went_away_is_waited_for_at_most_one_and_a_half_intervals
         t0 = time.monotonic()
         assert ep.final() is False
         waited = time.monotonic() - t0
-        assert 1.5 * interval + 0.5 - 0.05 <= waited <= 1.5 * interval + 0.5 + 0.5, (waited, interval)
+        assert 1.5 * interval + 0.5 - 0.05 <= waited <= 1.5 * interval + 0.5 + 1.0, (waited, interval)
         t0 = time.monotonic()
         assert ep.final(max_s=0.1) is False    # the cap bounds the wait whatever the interval
         assert time.monotonic() - t0 < 0.5

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import random
 import threading
 from typing import Any
 
 import pytest
 
 from spectrain_operator import reconciler as recmod
+from spectrain_operator.ratelimit import Backoff
 from spectrain_operator.reconciler import Reconciler
 from tests.waiting import wait_for
 
@@ -146,18 +148,29 @@ def test_a_status_differing_only_by_nulls_is_not_rewritten() -> None:
 
 def test_every_pass_arms_the_resync_and_a_transient_error_a_retry() -> None:
     kube = FakeKube(job())
-    r = Reconciler(kube, resync_s=600.0, retry_s=50.0)  # type: ignore[arg-type]
+    r = Reconciler(kube, resync_s=600.0, retry=Backoff(40.0, 80.0, random.Random(5)))  # type: ignore[arg-type]
     try:
         r.handle(NS, "k")
         assert 590 < (r._timers.pending((NS, "k")) or 0) <= 600   # the resync replaces kopf's timer
 
+        retry_after: list[float | None] = [None]
+
         def unavailable(namespace: str, name: str) -> None:
-            raise recmod.TransientError("GET: 503 busy", 503)
+            raise recmod.TransientError("GET: 503 busy", 503, retry_after[0])
 
         r.forget(NS, "k")
         kube.get_job = unavailable  # type: ignore[method-assign, assignment]
         r.handle(NS, "k")   # logged, not raised: the handlers never see an exception
-        assert 40 < (r._timers.pending((NS, "k")) or 0) <= 50
+        assert 0 < (r._timers.pending((NS, "k")) or 0) <= 40    # first failure: a draw in [0, base]
+        r._timers.cancel((NS, "k"))
+        r.handle(NS, "k")
+        assert 0 < (r._timers.pending((NS, "k")) or 0) <= 80    # second: the ceiling doubled
+        r._timers.cancel((NS, "k"))
+        retry_after[0] = 300.0
+        r.handle(NS, "k")
+        assert 299 < (r._timers.pending((NS, "k")) or 0) <= 300  # the server's Retry-After wins
+        r.forget(NS, "k")
+        assert (NS, "k") not in r._failures
     finally:
         r.close()
 
@@ -179,27 +192,28 @@ def test_a_replica_paused_by_peering_does_not_reconcile_on_its_timers() -> None:
         r.close()
 
 
-def test_kopf_peering_pause_and_resume_reach_the_reconciler() -> None:
-    import logging
-
+def test_a_follower_acts_on_nothing_and_the_gate_follows_the_lease() -> None:
     from spectrain_operator import handlers
 
-    r = Reconciler(FakeKube(job()))  # type: ignore[arg-type]
-    handlers.install(r)
-    watch = handlers._PeeringWatch()
-    try:
-        def record(msg: str) -> logging.LogRecord:
-            return logging.LogRecord(handlers.PEERING_LOGGER, logging.INFO, __file__, 1, msg, None, None)
+    class Elector:
+        leading = False
 
-        watch.emit(record("Pausing operations in favour of [Peer(identity='b', priority=9)]."))
-        assert r.active is False
-        watch.emit(record("Keep-alive in 'spectrain' cluster-wide: ok."))
-        assert r.active is False
-        watch.emit(record("Resuming operations after the pause. Conflicting operators with the same priority are gone."))
-        assert r.active is True
+        def is_leader(self) -> bool:
+            return self.leading
+
+    kube = FakeKube(job())
+    r = Reconciler(kube)  # type: ignore[arg-type]
+    elector = Elector()
+    handlers.install(r, elector)  # type: ignore[arg-type]
+    try:
+        r.handle(NS, "k")
+        handlers.job_event(type="ADDED", body=job(), namespace=NS, name="k")
+        assert kube.creates == [] and r.passes == 0
+        elector.leading = True
+        r.handle(NS, "k")
+        assert kube.creates and r.passes == 1
     finally:
         r.close()
-
 
 def test_which_job_events_need_a_pass() -> None:
     from spectrain_operator.handlers import needs_pass

@@ -76,7 +76,7 @@ def test_check_server_retries_while_the_server_is_unreachable() -> None:
 def test_main_exits_3_with_the_reason_on_an_unsupported_server(monkeypatch: pytest.MonkeyPatch,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     fake = _VersionKube([{"major": "1", "minor": "20", "gitVersion": "v1.20.2"}])
-    monkeypatch.setattr(kubemod.Kube, "from_environment", classmethod(lambda cls, kubeconfig=None: fake))
+    monkeypatch.setattr(kubemod.Kube, "from_environment", classmethod(lambda cls, kubeconfig=None, **limits: fake))
     ran: list[Any] = []
     monkeypatch.setattr(opmain.kopf, "run", lambda **kw: ran.append(kw))
     monkeypatch.setattr(opmain.kopf, "configure", lambda **kw: None)

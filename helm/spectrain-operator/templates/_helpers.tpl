@@ -52,12 +52,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
-{{/* "true" when kopf peering is on: forced by peering.enabled, or auto with replicaCount > 1. */}}
-{{- define "spectrain-operator.peering" -}}
-{{- $p := .Values.peering.enabled }}
-{{- if eq (toString $p) "auto" }}
+{{/* "true" when leader election is on: forced by leaderElection.enabled, or auto with replicaCount > 1. */}}
+{{- define "spectrain-operator.leaderElection" -}}
+{{- $e := .Values.leaderElection.enabled }}
+{{- if eq (toString $e) "auto" }}
 {{- if gt (int .Values.replicaCount) 1 }}true{{ else }}false{{ end }}
-{{- else if $p }}true{{ else }}false{{ end }}
+{{- else if $e }}true{{ else }}false{{ end }}
 {{- end }}
 
 {{/* The operator's rules on namespaced resources (a ClusterRole cluster-wide, a Role per watched namespace). */}}
@@ -80,28 +80,30 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["create", "list", "watch", "delete", "patch"]
-# Children created once per job (create-or-get: 409 AlreadyExists is success); the garbage
-# collector deletes them through their ownerReferences, so no get/patch/delete is needed.
+# Children created once per job; the garbage collector deletes them through their ownerReferences,
+# so no patch/delete. `get`: on 409 AlreadyExists the existing object's ownerReferences UID is
+# compared with the job's (an object of another owner is an error on the job, never adopted).
 - apiGroups: [""]
   resources: ["configmaps", "services", "serviceaccounts"]
-  verbs: ["create"]
+  verbs: ["create", "get"]
 # The per-job fleet key (Secret <job>-fleet-key, owned by the job, mounted only into the drafter
-# containers): created once, create-or-get (409 AlreadyExists is success), so it is never read
-# back, updated or rotated; the garbage collector deletes it with the job. No get/list/watch: the
-# operator cannot read any Secret.
+# containers): created once and never read back, updated or rotated; the garbage collector deletes
+# it with the job. No get/list/watch: the operator cannot read any Secret, so a 409 on it is the
+# job's own only when the job's status recorded the UID of the one the operator created.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create"]
 # The per-job NetworkPolicy (<job>, owned by the job; spec.networkPolicy.enabled, on by default):
-# created once before the job's pods, create-or-get (409 AlreadyExists is success); the garbage
-# collector deletes it with the job, so no get/update/delete.
+# created once before the job's pods (`get`: the owner check on 409); the garbage collector
+# deletes it with the job, so no update/delete.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["create"]
-# The per-job status path: a Role allowing `patch` on the job's own pods and its RoleBinding.
+  verbs: ["create", "get"]
+# The per-job status path: a Role allowing `patch` on the job's own pods and its RoleBinding
+# (`get`: the owner check on 409).
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["create"]
+  verbs: ["create", "get"]
 # spec.target.checkpoint.claimName / drafter.export.claimName / pvc:// data: checked to exist
 # before anything is created (a missing claim is SpecInvalid, not a Pending pod).
 - apiGroups: [""]
@@ -115,19 +117,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 # gpuSharing.mode DRA: a ResourceClaimTemplate per job (MPS sharing config), owned by the job.
 - apiGroups: ["resource.k8s.io"]
   resources: ["resourceclaimtemplates"]
-  verbs: ["create"]
+  verbs: ["create", "get"]
 {{- end }}
 {{- if has "SchedulerPlugins" .Values.features.gangProviders }}
 # scheduling.gang.provider SchedulerPlugins (coscheduling): a PodGroup per job, owned by the job.
 - apiGroups: ["scheduling.x-k8s.io"]
   resources: ["podgroups"]
-  verbs: ["create"]
+  verbs: ["create", "get"]
 {{- end }}
 {{- if has "Volcano" .Values.features.gangProviders }}
 # scheduling.gang.provider Volcano: a PodGroup per job, owned by the job.
 - apiGroups: ["scheduling.volcano.sh"]
   resources: ["podgroups"]
-  verbs: ["create"]
+  verbs: ["create", "get"]
 {{- end }}
 {{- end }}
 
