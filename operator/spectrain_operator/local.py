@@ -54,6 +54,7 @@ from spectrain_workloads.contract import (
     KIND,
 )
 from spectrain_workloads.exitcodes import returncode_to_exit
+from spectrain_workloads.fsio import atomic_write_text
 
 SHM_ROOT = Path(os.environ.get("SPECTRAIN_SHM_ROOT", "/dev/shm"))
 GRACE_S = 30.0
@@ -189,9 +190,8 @@ def run_identity(run_dir: Path) -> str:
 def write_control_file(path: Path, annotations: dict[str, str]) -> None:
     """A pod's annotations as the kubelet's downward API writes them (one `key="value"` line each,
     sorted, Go-quoted), replaced atomically so a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{k}={json.dumps(v)}\n" for k, v in sorted(annotations.items())))
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(f"{k}={json.dumps(v)}\n" for k, v in sorted(annotations.items())),
+                      durable=False)
 
 
 def _volume_dirs(pod: dict[str, Any], configmaps: dict[str, dict[str, Any]], run_dir: Path,

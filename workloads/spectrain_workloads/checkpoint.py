@@ -23,40 +23,19 @@ import pickle
 import random
 import re
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from spectrain_workloads.fsio import atomic_dir, atomic_write
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointRefused(RuntimeError):
     """A checkpoint file that a weights-only load refuses (it names code to run)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
-    """Write `path` through a temp file in the same directory and rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def rng_state() -> dict[str, Any]:
@@ -109,24 +88,14 @@ class CheckpointManager:
         final = self.path(step)
         if final.exists():
             return final            # e.g. SIGTERM right after a periodic save of the same step
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".tmp-step-{step}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        with open(tmp / "state.pt", "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(self.dir)
+        atomic_dir(final, lambda tmp: torch.save(state, tmp / "state.pt"))
         self.prune()
         return final
 
     def prune(self) -> None:
         for step in self.steps()[:-self.keep]:
             shutil.rmtree(self.path(step), ignore_errors=True)
-        for p in self.dir.glob(".tmp-step-*"):          # leftovers of killed saves
+        for p in self.dir.glob(".tmp-step-*"):          # leftovers of killed saves (fsio.atomic_dir)
             if not p.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(p, ignore_errors=True)
 

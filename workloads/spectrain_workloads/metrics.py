@@ -2,7 +2,7 @@
 
 - `metrics/target-rank-<r>.jsonl`: one line per step: {step, loss, step_time_s, tokens_per_s,
   idle_s_by_kind, windows_by_kind, pred_error_median_by_kind, time_ns}.
-- `metrics/windows-rank-<r>.jsonl`: one line per closed window (instrument.py's record:
+- `metrics/windows-rank-<r>.jsonl`: one line per closed window (harvest/instrument.py's record:
   {window_id, kind, stage, step, start_ns, predicted_ns, actual_ns[, channel, bytes]}).
 - Prometheus (prometheus-client) on SPECTRAIN_METRICS_PORT + local rank when the port is > 0.
 - progress: rank 0 reports through `spectrain_workloads.podstatus.report_progress(dict)` (progress.json
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spectrain_workloads.checkpoint import atomic_write
 from spectrain_workloads.contract import WINDOW_KINDS
+from spectrain_workloads.fsio import atomic_write_json
 
 KINDS = WINDOW_KINDS[:3]      # the target trainer's kinds; RolloutTail (mode RL) is counted as it comes
 
@@ -44,7 +44,7 @@ def write_progress(run_dir: str | Path, progress: dict[str, Any], *, flush: bool
     env_dir = os.environ.get("SPECTRAIN_RUN_DIR")
     if not env_dir or Path(env_dir).resolve() != Path(run_dir).resolve():
         path = Path(run_dir) / "progress.json"
-        atomic_write(path, lambda p: p.write_text(json.dumps(progress)))
+        atomic_write_json(path, progress)
 
 
 def _totals(wins: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, int]]:

@@ -23,6 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from spectrain_workloads.fsio import atomic_write_json
+
 PROGRESS_ANNOTATION = "spectrain.io/progress"
 DRAFTER_ANNOTATION = "spectrain.io/drafter"
 THROTTLE_S = 10.0
@@ -46,13 +48,6 @@ def _clean(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
     return value
-
-
-def _atomic_write(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, sort_keys=True))
-    os.replace(tmp, path)
 
 
 def _run_dir() -> Path | None:
@@ -131,7 +126,7 @@ def report_progress(progress: dict[str, Any], *, flush: bool = False) -> None:
         data.setdefault("updatedAt", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         run_dir = _run_dir()
         if run_dir is not None:
-            _atomic_write(run_dir / "progress.json", data)
+            atomic_write_json(run_dir / "progress.json", data, durable=False, sort_keys=True)
         _maybe_patch(PROGRESS_ANNOTATION, data, flush)
     except Exception as exc:
         log.warning("report_progress failed: %s", exc)
@@ -144,7 +139,7 @@ def report_drafter(summary: dict[str, Any], rank: int | None = None, *, flush: b
         r = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
         run_dir = _run_dir()
         if run_dir is not None:
-            _atomic_write(run_dir / f"drafter-summary-rank-{r}.json", data)
+            atomic_write_json(run_dir / f"drafter-summary-rank-{r}.json", data, durable=False, sort_keys=True)
         _maybe_patch(DRAFTER_ANNOTATION, data, flush)
     except Exception as exc:
         log.warning("report_drafter failed: %s", exc)

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.fsio import atomic_write_json
 
 
 class ByteTokenizer:
@@ -27,11 +28,8 @@ class ByteTokenizer:
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         path = Path(directory) / "tokenizer.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"kind": self.kind, "vocab_size": self.vocab_size,
-                                   "pad": self.PAD, "bos": self.BOS, "eos": self.EOS}))
-        os.replace(tmp, path)
+        atomic_write_json(path, {"kind": self.kind, "vocab_size": self.vocab_size,
+                                 "pad": self.PAD, "bos": self.BOS, "eos": self.EOS}, durable=False)
         return path
 
     @classmethod

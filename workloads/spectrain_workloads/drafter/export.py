@@ -43,6 +43,7 @@ from torch import nn
 
 from spectrain_workloads.drafter.models import EagleDrafter
 from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.fsio import atomic_dir, atomic_write_text
 from spectrain_workloads.model import ModelConfig, Transformer
 
 FORMAT = "spectrain-drafter/1"
@@ -57,59 +58,14 @@ class ExportRefused(ValueError):
     """An export that would reuse a version, move LATEST backwards or ship non-finite weights."""
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for f in path.iterdir():
-        if f.is_dir():
-            _fsync_tree(f)
-            continue
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    _fsync_dir(path)
-
-
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True))
-
-
-def _replace_text(path: Path, text: str) -> None:
-    """Write `path` through a temp sibling, os.replace and an fsync of the directory (atomic, durable)."""
-    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _save_tensors(module: nn.Module, path: Path) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, str(path))
-
-
-def _atomic_dir(final: Path, fill: Any) -> Path:
-    """Build `final` through a temp sibling and a rename; `fill(tmp_dir)` writes the files."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    fill(tmp)
-    _fsync_tree(tmp)
-    if final.exists():
-        shutil.rmtree(final)   # a version can only be rewritten by the process that owns the rank
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-    return final
 
 
 def _versions(root: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:
@@ -145,7 +101,7 @@ def save_checkpoint(root: Path, version: int, module: nn.Module, optimizer: torc
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         _write_json(tmp / "state.json", {**state, "version": version, "format": FORMAT, "saved_at": time.time()})
 
-    path = _atomic_dir(root / f"ckpt-{version}", fill)
+    path = atomic_dir(root / f"ckpt-{version}", fill)
     _prune(root, _CKPT, keep)
     return path
 
@@ -292,7 +248,7 @@ def export_drafter(export_dir: str | os.PathLike[str], version: int | None, modu
         if version <= high:
             raise ExportRefused(f"version {version} is not above {root}'s high-water mark v{high}: "
                                 "a version is never rewritten and LATEST never moves backwards")
-        _replace_text(root / HIGH_WATER, json.dumps({"high_water": version}) + "\n")   # reserved first
+        atomic_write_text(root / HIGH_WATER, json.dumps({"high_water": version}) + "\n")   # reserved first
         config = {**meta, "format": FORMAT, "arch": arch, "version": version, "model_config": cfg.to_dict(),
                   "vocab_size": cfg.vocab_size, "exported_at": time.time()}
         if hasattr(module, "target_config"):   # hf_eagle.HFEagleDrafter: rebuilt from the target's config.json
@@ -308,8 +264,8 @@ def export_drafter(export_dir: str | os.PathLike[str], version: int | None, modu
                 export_serving(tmp, module)   # type: ignore[arg-type]
             _write_json(tmp / "config.json", {**config, "sha256": _digests(tmp)})
 
-        path = _atomic_dir(root / f"v{version}", fill)
-        _replace_text(root / "LATEST", path.name + "\n")
+        path = atomic_dir(root / f"v{version}", fill)
+        atomic_write_text(root / "LATEST", path.name + "\n")
         _prune(root, _EXPORT, keep)
     return path
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from spectrain_workloads.drafter.gating import ClosedWindow, quantile
+from spectrain_workloads.fsio import atomic_write_json
 
 NO_WINDOW = -1   # work under policy Always outside any window
 
@@ -198,7 +199,4 @@ def write_summary(run_dir: str | os.PathLike[str], rank: int, summary: dict[str,
     podstatus.report_drafter(data, rank=rank, flush=flush)
     env_dir = os.environ.get("SPECTRAIN_RUN_DIR")
     if not env_dir or Path(env_dir).resolve() != Path(run_dir).resolve():
-        path = Path(run_dir) / f"drafter-summary-rank-{rank}.json"
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(data, sort_keys=True))
-        os.replace(tmp, path)
+        atomic_write_json(Path(run_dir) / f"drafter-summary-rank-{rank}.json", data, durable=False, sort_keys=True)

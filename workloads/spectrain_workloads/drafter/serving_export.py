@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from spectrain_workloads.drafter.export import _atomic_dir
 from spectrain_workloads.drafter.hf_eagle import HFEagleDrafter, rope_theta
 from spectrain_workloads.drafter.models import config_digest
 from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.fsio import atomic_dir
 from spectrain_workloads.hf.arch import head_dim
 
 SERVING_FORMAT = "spectrain-serving/1"
@@ -201,7 +201,7 @@ def export_serving(out_dir: str | os.PathLike[str], drafter: HFEagleDrafter, *,
             save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
 
-        written[layout.engine] = _atomic_dir(Path(out_dir) / layout.engine, fill)
+        written[layout.engine] = atomic_dir(Path(out_dir) / layout.engine, fill)
     return written
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from spectrain_workloads.fsio import atomic_write, atomic_write_json
 from spectrain_workloads.model import ModelConfig, Transformer
 
 
@@ -50,12 +51,9 @@ def write_target_shared(run_dir: str | os.PathLike[str], model: Transformer) -> 
     d.mkdir(parents=True, exist_ok=True)
     assert model.tok_embeddings is not None and model.output is not None
     for name, w in (("embedding", model.tok_embeddings.weight), ("lm_head", model.output.weight)):
-        tmp = d / f".{name}.tmp-{os.getpid()}"
-        save_file({"weight": w.detach().contiguous()}, str(tmp))
-        os.replace(tmp, d / f"{name}.safetensors")
-    tmp = d / f".model_config.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(model.cfg.to_dict()))
-    os.replace(tmp, d / "model_config.json")
+        atomic_write(d / f"{name}.safetensors", lambda p, w=w: save_file({"weight": w.detach().contiguous()}, str(p)),
+                     durable=False)
+    atomic_write_json(d / "model_config.json", model.cfg.to_dict(), durable=False)
 
 
 @functools.lru_cache(maxsize=1)

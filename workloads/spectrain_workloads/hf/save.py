@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from spectrain_workloads.fsio import atomic_write
 from spectrain_workloads.hf.source import INDEX, ModelDir, read_safetensors_header
 
 
@@ -34,9 +35,8 @@ def write_shard(out: Path, stage: int, n_stages: int, tensors: dict[str, torch.T
     tmp = staging_dir(out)
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / shard_name(stage, n_stages)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path) + ".part",
-              metadata={"format": "pt"})
-    os.replace(str(path) + ".part", path)
+    atomic_write(path, lambda p: save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(p),
+                                           metadata={"format": "pt"}), durable=False)
 
 
 def finish(out: Path, source: ModelDir, n_stages: int, tokenizer: object, dtype: torch.dtype) -> Path:
