@@ -28,11 +28,23 @@ from spectrain_operator.objects import (
 from spectrain_operator.objects import child_metadata as _meta
 from spectrain_workloads.contract import (
     ANNOTATION_DRAFTER_DISABLED,
+    ENV_CONFIG,
+    ENV_DATA_ROOT,
+    ENV_DEVICE,
     ENV_DRAFTER_CONTROL,
+    ENV_DRAFTER_ENABLED,
+    ENV_DRAFTER_PEERS,
+    ENV_EXPORT_DIR,
     ENV_FLEET_KEY_FILE,
+    ENV_JOB_NAME,
     ENV_JOB_UID,
+    ENV_METRICS_PORT,
     ENV_POD_IPS,
+    ENV_POD_NAME,
+    ENV_POD_NAMESPACE,
     ENV_RESTART_GENERATION,
+    ENV_RING_DIR,
+    ENV_RUN_DIR,
     IMAGE_GID,
     IMAGE_UID,
 )
@@ -282,17 +294,17 @@ def _env(job: Obj, node: int, drafter_on: bool, metrics_port: int) -> list[Obj]:
     ns = job["metadata"].get("namespace", "default")
     procs = int(t["procsPerNode"])
     env: list[Obj] = [
-        {"name": "SPECTRAIN_CONFIG", "value": f"{CONFIG_DIR}/{CONFIG_KEY}"},
-        {"name": "SPECTRAIN_RING_DIR", "value": RING_DIR},
-        {"name": "SPECTRAIN_RUN_DIR", "value": RUN_DIR},
-        {"name": "SPECTRAIN_EXPORT_DIR", "value": export_dir(job)},
-        {"name": "SPECTRAIN_DATA_ROOT", "value": DATA_ROOT},
-        {"name": "SPECTRAIN_JOB_NAME", "value": name},
-        {"name": "SPECTRAIN_DRAFTER_ENABLED", "value": "1" if drafter_on else "0"},
-        {"name": "SPECTRAIN_DEVICE", "value": "auto"},
-        {"name": "SPECTRAIN_METRICS_PORT", "value": str(metrics_port)},
-        {"name": "SPECTRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "SPECTRAIN_POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": ENV_CONFIG, "value": f"{CONFIG_DIR}/{CONFIG_KEY}"},
+        {"name": ENV_RING_DIR, "value": RING_DIR},
+        {"name": ENV_RUN_DIR, "value": RUN_DIR},
+        {"name": ENV_EXPORT_DIR, "value": export_dir(job)},
+        {"name": ENV_DATA_ROOT, "value": DATA_ROOT},
+        {"name": ENV_JOB_NAME, "value": name},
+        {"name": ENV_DRAFTER_ENABLED, "value": "1" if drafter_on else "0"},
+        {"name": ENV_DEVICE, "value": "auto"},
+        {"name": ENV_METRICS_PORT, "value": str(metrics_port)},
+        {"name": ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "RANK", "value": str(node * procs)},
         {"name": "NODE_RANK", "value": str(node)},
         {"name": "WORLD_SIZE", "value": str(int(t["nodes"]) * procs)},
@@ -308,7 +320,7 @@ def _drafter_peers_env(job: Obj) -> list[Obj]:
     ns = job["metadata"].get("namespace", "default")
     peers = ",".join(f"{pod_name(job, n)}.{service_name(job)}.{ns}.svc:{DRAFTER_PORT}"
                      for n in range(int(job["spec"]["target"]["nodes"])))
-    return [{"name": "SPECTRAIN_DRAFTER_PEERS", "value": peers}]
+    return [{"name": ENV_DRAFTER_PEERS, "value": peers}]
 
 
 def _drafter_identity_env(job: Obj, generation: int) -> list[Obj]:

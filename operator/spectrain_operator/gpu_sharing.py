@@ -43,6 +43,7 @@ from typing import Any
 
 from spectrain_operator.objects import DRAFTER, LABEL_JOB, MPS_DAEMON, TARGET, child_metadata
 from spectrain_operator.objects import get as _get
+from spectrain_workloads.contract import ENV_GPU_SHARING
 
 MODES = ("DRA", "PodLocalMPS", "SingleContainer", "None")
 
@@ -424,7 +425,7 @@ def apply(pod: dict, job: dict) -> list[dict]:
             _set_env(drafter, k, v)
     containers = list(pod["spec"].get("containers", [])) + list(pod["spec"].get("initContainers", []))
     for c in containers:
-        _set_env(c, "SPECTRAIN_GPU_SHARING", mode)
+        _set_env(c, ENV_GPU_SHARING, mode)
     if mode == "DRA":
         return _apply_dra(pod, job)
     if mode == "PodLocalMPS":

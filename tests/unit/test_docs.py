@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
-# "session 12", "work period 3", "stop 36", "round 5 of the work": numbered labels of how the work went
+# numbered labels of how the work went: a session, work period or stop followed by its number
 PERIOD_LABEL = re.compile(r"\b(session|work period|period|stop)\s+#?\d+\b", re.IGNORECASE)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
-from spectrain_workloads.contract import WINDOW_KINDS
+from spectrain_workloads.contract import ENV_CONFIG, WINDOW_KINDS
 from spectrain_workloads.errors import ConfigError
 
 
@@ -205,7 +205,7 @@ def from_manifest(manifest: dict[str, Any]) -> JobConfig:
 
 def load(path: str | os.PathLike[str] | None = None) -> JobConfig:
     """Load $SPECTRAIN_CONFIG (JSON or YAML)."""
-    path = path or os.environ.get("SPECTRAIN_CONFIG")
+    path = path or os.environ.get(ENV_CONFIG)
     if not path:
         raise ConfigError("SPECTRAIN_CONFIG is not set; point it at the rendered workload config file")
     p = Path(path)

@@ -97,6 +97,15 @@ ENV_DRAFTER_ENABLED = "SPECTRAIN_DRAFTER_ENABLED"
 ENV_DEVICE = "SPECTRAIN_DEVICE"
 ENV_METRICS_PORT = "SPECTRAIN_METRICS_PORT"
 ENV_TERMINATION_LOG = "SPECTRAIN_TERMINATION_LOG"   # where entrypoints write their fatal error
+ENV_DATA_ROOT = "SPECTRAIN_DATA_ROOT"               # where the data claims are mounted
+ENV_POD_NAME = "SPECTRAIN_POD_NAME"                 # the pod's own name and namespace (downward API): the
+ENV_POD_NAMESPACE = "SPECTRAIN_POD_NAMESPACE"       # status path patches the pod's annotations
+ENV_GPU_SHARING = "SPECTRAIN_GPU_SHARING"           # spec.gpuSharing.mode, for the drafter's NVML report
+# Every pod's drafter address (`host:port` per node), the address a drafter binds to when not its
+# pod's own (`spectrain run`: loopback), and the TCPStore of the AllReduce engine.
+ENV_DRAFTER_PEERS = "SPECTRAIN_DRAFTER_PEERS"
+ENV_DRAFTER_BIND = "SPECTRAIN_DRAFTER_BIND"
+ENV_DRAFTER_STORE = "SPECTRAIN_DRAFTER_STORE"
 # The drafter fleet's channel (docs/design.md, "Trust"): the per-job key (a Secret mounted only into
 # the drafter container; `spectrain run` writes one per run), the job identity every handshake and
 # frame MAC binds, and the pod's own addresses the drafter binds to (dual-stack: comma-separated).

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from spectrain_workloads.contract import ENV_DATA_ROOT
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.tokenizer import ByteTokenizer
 
@@ -49,7 +50,7 @@ def volume_path(field: str, uri: str, *, data_root: str | None = None) -> Path:
         rest = uri[len("pvc://"):].strip("/")
         if not rest:
             raise ConfigError(f"{field} {uri!r}: use pvc://<claim>/<path>")
-        root = data_root or os.environ.get("SPECTRAIN_DATA_ROOT", DEFAULT_DATA_ROOT)
+        root = data_root or os.environ.get(ENV_DATA_ROOT, DEFAULT_DATA_ROOT)
         path = Path(root) / rest
     else:
         raise ConfigError(f"{field} {uri!r}: use file:///abs/dir or pvc://<claim>/<path>")

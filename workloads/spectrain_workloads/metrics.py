@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spectrain_workloads.contract import WINDOW_KINDS
+from spectrain_workloads.contract import ENV_RUN_DIR, WINDOW_KINDS
 from spectrain_workloads.fsio import atomic_write_json
 
 KINDS = WINDOW_KINDS[:3]      # the target trainer's kinds; RolloutTail (mode RL) is counted as it comes
@@ -41,7 +41,7 @@ def write_progress(run_dir: str | Path, progress: dict[str, Any], *, flush: bool
     from spectrain_workloads.podstatus import report_progress
 
     report_progress(progress, flush=flush)
-    env_dir = os.environ.get("SPECTRAIN_RUN_DIR")
+    env_dir = os.environ.get(ENV_RUN_DIR)
     if not env_dir or Path(env_dir).resolve() != Path(run_dir).resolve():
         path = Path(run_dir) / "progress.json"
         atomic_write_json(path, progress)

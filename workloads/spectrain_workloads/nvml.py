@@ -19,6 +19,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from spectrain_workloads.contract import ENV_GPU_SHARING
+
 DEFAULT_MPS_PIPE_DIR = "/tmp/nvidia-mps"
 
 COMPUTE_MODES = {0: "Default", 1: "ExclusiveThread", 2: "Prohibited", 3: "ExclusiveProcess"}
@@ -198,7 +200,7 @@ def detect_mps(env: Mapping[str, str] | None = None, *, lib: Any = None, gpu_cou
 def report(*, lib: Any = None, env: Mapping[str, str] | None = None) -> GpuReport:
     """What this process sees of the GPUs; never raises for a missing or failing NVML."""
     env = os.environ if env is None else env
-    mode = env.get("SPECTRAIN_GPU_SHARING", "")
+    mode = env.get(ENV_GPU_SHARING, "")
     with Nvml(lib) as n:
         if not n.available:
             return GpuReport(available=False, reason=n.reason, mps=detect_mps(env), sharing_mode=mode)

@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from spectrain_workloads.contract import ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_RUN_DIR
 from spectrain_workloads.fsio import atomic_write_json
 
 PROGRESS_ANNOTATION = "spectrain.io/progress"
@@ -51,13 +52,13 @@ def _clean(value: Any) -> Any:
 
 
 def _run_dir() -> Path | None:
-    value = os.environ.get("SPECTRAIN_RUN_DIR")
+    value = os.environ.get(ENV_RUN_DIR)
     return Path(value) if value else None
 
 
 def _in_cluster() -> tuple[str, str, str, str] | None:
     """(api server URL, namespace, pod name, token) when the pod may patch itself."""
-    pod, ns = os.environ.get("SPECTRAIN_POD_NAME"), os.environ.get("SPECTRAIN_POD_NAMESPACE")
+    pod, ns = os.environ.get(ENV_POD_NAME), os.environ.get(ENV_POD_NAMESPACE)
     host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
     token_file = SA_DIR / "token"
     if not (pod and ns and host and token_file.is_file()):

@@ -11,13 +11,12 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from spectrain_workloads.contract import ENV_DRAFTER_BIND, ENV_DRAFTER_PEERS, ENV_DRAFTER_STORE
 from spectrain_workloads.drafter import checks
 from spectrain_workloads.errors import ConfigError
 
-PEERS_ENV = "SPECTRAIN_DRAFTER_PEERS"
-BIND_ENV = "SPECTRAIN_DRAFTER_BIND"
 # engine AllReduce: the drafters' TCPStore as host:port (tests, local runs); default `store_address`
-STORE_ENV = "SPECTRAIN_DRAFTER_STORE"
+PEERS_ENV, BIND_ENV, STORE_ENV = ENV_DRAFTER_PEERS, ENV_DRAFTER_BIND, ENV_DRAFTER_STORE
 
 
 def parse_peers(text: str, world: int, local_world: int) -> list[tuple[str, int]]:

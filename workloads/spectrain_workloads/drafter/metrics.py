@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spectrain_workloads.contract import ENV_RUN_DIR
 from spectrain_workloads.drafter.gating import ClosedWindow, quantile
 from spectrain_workloads.fsio import atomic_write_json
 
@@ -197,6 +198,6 @@ def write_summary(run_dir: str | os.PathLike[str], rank: int, summary: dict[str,
 
     data = {**summary, "rank": rank}
     podstatus.report_drafter(data, rank=rank, flush=flush)
-    env_dir = os.environ.get("SPECTRAIN_RUN_DIR")
+    env_dir = os.environ.get(ENV_RUN_DIR)
     if not env_dir or Path(env_dir).resolve() != Path(run_dir).resolve():
         atomic_write_json(Path(run_dir) / f"drafter-summary-rank-{rank}.json", data, durable=False, sort_keys=True)

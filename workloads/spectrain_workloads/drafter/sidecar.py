@@ -37,7 +37,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spectrain_workloads.contract import ANNOTATION_DRAFTER_DISABLED, ENV_DRAFTER_CONTROL, EXIT_PEER_FRAME
+from spectrain_workloads.contract import (
+    ANNOTATION_DRAFTER_DISABLED,
+    ENV_DEVICE,
+    ENV_DRAFTER_CONTROL,
+    ENV_DRAFTER_ENABLED,
+    ENV_EXPORT_DIR,
+    ENV_RING_DIR,
+    ENV_RUN_DIR,
+    EXIT_PEER_FRAME,
+)
 from spectrain_workloads.errors import ConfigError, PeerFrameError
 
 CONTROL_EVERY_S = 1.0            # how often a working drafter re-reads its control file (a stat and a read)
@@ -176,7 +185,7 @@ def _settings(cfg: Any) -> Any:
 def _device(local_rank: int) -> Any:
     import torch
 
-    want = os.environ.get("SPECTRAIN_DEVICE", "auto")
+    want = os.environ.get(ENV_DEVICE, "auto")
     if want not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"SPECTRAIN_DEVICE={want!r}: use auto, cpu or cuda")
     if want == "cuda" and not torch.cuda.is_available():
@@ -210,8 +219,8 @@ def run_worker(local_rank: int, stop: Any = None) -> int:
     cfg = config.load()
     require_valid(cfg)
     settings = _settings(cfg)
-    ring_dir = os.environ.get("SPECTRAIN_RING_DIR")
-    run_dir = os.environ.get("SPECTRAIN_RUN_DIR")
+    ring_dir = os.environ.get(ENV_RING_DIR)
+    run_dir = os.environ.get(ENV_RUN_DIR)
     if not ring_dir or not run_dir:
         raise ConfigError("SPECTRAIN_RING_DIR and SPECTRAIN_RUN_DIR must be set (the operator or `spectrain run` "
                           "sets them to the ring and checkpoint volumes)")
@@ -254,11 +263,11 @@ def _run_worker(cfg: Any, settings: Any, local_rank: int, rank: int, run_dir: Pa
         return idle_disabled(run_dir, rank, settings, stop, prometheus)
     world = _env_int("WORLD_SIZE", 1)
     export_rank = _env_int("SPECTRAIN_DRAFTER_EXPORT_RANK", world - 1)
-    export_dir = Path(os.environ.get("SPECTRAIN_EXPORT_DIR") or run_dir / cfg.drafter.export.path)
+    export_dir = Path(os.environ.get(ENV_EXPORT_DIR) or run_dir / cfg.drafter.export.path)
     device = _device(local_rank)
     if device.type == "cpu":
         torch.set_num_threads(_env_int("SPECTRAIN_DRAFTER_THREADS", 1))
-    enabled = os.environ.get("SPECTRAIN_DRAFTER_ENABLED", "1") != "0" and cfg.drafter.enabled
+    enabled = os.environ.get(ENV_DRAFTER_ENABLED, "1") != "0" and cfg.drafter.enabled
     if not enabled:
         settings.policy = "Off"
     fleet = _fleet(cfg, rank, world, export_rank) if settings.policy != "Off" else None
@@ -324,7 +333,7 @@ def _fleet(cfg: Any, rank: int, world: int, export_rank: int) -> Any:
         key=load_key(os.environ.get(ENV_FLEET_KEY_FILE)), job_uid=os.environ.get(ENV_JOB_UID, ""),
         generation=_env_int(ENV_RESTART_GENERATION, 0), bind_hosts=binds,
         bandwidth_bytes_per_s=ex.bandwidth_m_bps * 1e6, combine_every_s=ex.combine_every_seconds,
-        run_dir=os.environ.get("SPECTRAIN_RUN_DIR")))
+        run_dir=os.environ.get(ENV_RUN_DIR)))
 
 
 def _exit(code: int) -> None:
