@@ -126,13 +126,6 @@ def load_corpus(source: str, *, max_bytes: int = 8 << 20, data_root: str | None 
     return corpus
 
 
-def load_tokens(source: str, *, max_bytes: int = 8 << 20) -> Any:
-    """The corpus as a torch int64 tensor [N] (for callers that want torch)."""
-    import torch
-
-    return torch.from_numpy(load_corpus(source, max_bytes=max_bytes).astype(np.int64))
-
-
 @dataclass(kw_only=True, frozen=True)
 class LoaderSpec:
     seq_len: int

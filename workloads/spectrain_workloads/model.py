@@ -244,11 +244,7 @@ def causal_decode_mask(pos: torch.Tensor, max_len: int) -> torch.Tensor:
     return m[None, None] if pos.dim() == 1 else m[:, None]
 
 
-def count_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 __all__ = [
     "ModelConfig", "model_config", "Transformer", "Block", "RMSNorm", "KVCache",
-    "causal_decode_mask", "count_params",
+    "causal_decode_mask",
 ]
