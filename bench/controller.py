@@ -47,7 +47,8 @@ from bench.rollout import (
     trained_models,
 )
 from spectrain_workloads.model import Transformer
-from spectrain_workloads.rl.rollout import RolloutConfig, RolloutEngine
+from spectrain_workloads.specdec.config import RolloutConfig
+from spectrain_workloads.specdec.engine import RolloutEngine
 
 # lam, the share of the trained weights, per temperature: partial gives ~2 tokens per verification at
 # batch 16 with maxDraftTokens 8 (Fixed) on these models (0.4 greedy: 2.2-2.4; 0.7 at temperature 1: 1.96).

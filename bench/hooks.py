@@ -18,7 +18,7 @@ Keys:
   difference of those medians (what the hooks cost a step in CPU).
 - bubble_windows_match_schedule: in a `spectrain run` of the example's manifest (a drafter per
   pod), every step of every rank published exactly the schedule's idle slots as Bubble windows, in
-  slot order (target.schedule: rank 0 idles before B0 and B3, rank 1 before F0).
+  slot order (harvest.schedule: rank 0 idles before B0 and B3, rank 1 before F0).
 - pred_error_median_bubble: median |predicted - actual| / actual of the Bubble windows (after 2
   warm-up steps; predictions > 0) of the interleaved run's published steps. Goal <= 0.2.
   pred_error_median_bubble_with_drafter: the same in the `spectrain run`, where the drafter trains
@@ -40,7 +40,7 @@ import yaml
 
 from bench.common import block_bootstrap_interval, median, parse_args, print_table, write_results
 from bench.target import WARMUP, _errors, _interleaved_ratio, _periods
-from spectrain_workloads.target.schedule import Schedule
+from spectrain_workloads.harvest.schedule import Schedule
 from tests.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -33,8 +33,9 @@ import torch
 from bench.common import median, parse_args, print_table, write_results
 from spectrain_workloads.model import Transformer, model_config
 from spectrain_workloads.rl.grpo import GRPOConfig, GRPOTrainer, pad_batch, sft_warmup
-from spectrain_workloads.rl.rollout import RolloutConfig, RolloutEngine, RolloutResult
 from spectrain_workloads.rl.tasks import get_task
+from spectrain_workloads.specdec.config import RolloutConfig, RolloutResult
+from spectrain_workloads.specdec.engine import RolloutEngine
 
 POLICY = {"n_layers": 8}
 DRAFTER = {"dim": 32, "n_layers": 1, "n_heads": 2}

@@ -53,7 +53,8 @@ import torch
 from bench.common import RESULTS_DIR, median, parse_args, print_table, write_results
 from spectrain_workloads.data import load_corpus
 from spectrain_workloads.model import Transformer, model_config
-from spectrain_workloads.rl.rollout import RolloutConfig, RolloutEngine
+from spectrain_workloads.specdec.config import RolloutConfig
+from spectrain_workloads.specdec.engine import RolloutEngine
 
 CACHE_DIR = RESULTS_DIR / "cache"
 TARGET = {"preset": "debug", "overrides": {"dim": 128, "n_layers": 8, "n_heads": 4}}

@@ -29,7 +29,7 @@ machine (5-15 % between identical runs) make it the coarser of the two.
 instrumentation_cost_fraction_debug: the "on" runs set SPECTRAIN_INSTRUMENT_COST_FILE, so each rank
 sums the CPU time (thread_time) its threads spend inside the Instrument's entry points (window
 open/close with their predictions and ring writes, compute EMA, sync points, the imbalance watch's
-window opening, the per-step learning in end_step) per step (instrument.py); per run the largest
+window opening, the per-step learning in end_step) per step (harvest/instrument.py); per run the largest
 rank's sum over the measured steps / the sum of the step times, then the median over runs (_wall:
 perf_counter time instead, which also counts waiting for a lock, the GIL or a CPU inside a call).
 pred_error_hindsight_comm (and per channel family): the median error if each transfer were predicted

@@ -72,7 +72,7 @@ def first_batch(job: dict[str, Any], model: Path) -> tuple[torch.Tensor, torch.T
     """Step 0's batch as the trainer builds it (same corpus, tokenizer and loader)."""
     from spectrain_workloads.config import from_manifest
     from spectrain_workloads.data import LoaderSpec, TokenLoader
-    from spectrain_workloads.target.models import resolve_target
+    from spectrain_workloads.target_model import resolve_target
 
     cfg = from_manifest(job)
     target = resolve_target(cfg)

@@ -182,7 +182,7 @@ def test_pipeline_loss_equals_single_process_reference(pp: Path) -> None:
 
 
 def test_bubble_windows_follow_the_schedule(pp: Path) -> None:
-    from spectrain_workloads.target.schedule import Op, Schedule
+    from spectrain_workloads.harvest.schedule import Op, Schedule
 
     sched = Schedule(name="1F1B", n_stages=2, microbatches=4)
     fractions = []
@@ -310,7 +310,7 @@ def test_interleaved_loss_equals_single_process_reference(ipp: Path) -> None:
 
 
 def test_interleaved_bubble_windows_follow_the_schedule(ipp: Path) -> None:
-    from spectrain_workloads.target.schedule import Op, Schedule
+    from spectrain_workloads.harvest.schedule import Op, Schedule
 
     sched = Schedule(name="Interleaved1F1B", n_stages=2, microbatches=4)
     fractions = []

@@ -25,14 +25,14 @@ from spectrain_workloads.contract import ASYNC_PIPELINE, PRETRAIN, RL, check_spe
 from spectrain_workloads.drafter.models import build_drafter
 from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.harvest.schedule import Schedule
 from spectrain_workloads.model import Transformer, model_config
 from spectrain_workloads.optim import build_optimizer
 from spectrain_workloads.ring.records import WindowKind
 from spectrain_workloads.rl.grpo import GRPOConfig
-from spectrain_workloads.rl.rollout import RolloutConfig
 from spectrain_workloads.rl.tasks import get_task
+from spectrain_workloads.specdec.config import RolloutConfig
 from spectrain_workloads.target.async_pipeline import delays
-from spectrain_workloads.target.schedule import Schedule
 from spectrain_workloads.target.trainer import make_layout
 from spectrain_workloads.tokenizer import ByteTokenizer
 
@@ -254,3 +254,22 @@ def test_crd_defaults_come_from_the_config_dataclasses() -> None:
         crd_def.workload_defaults(node, Opt, "spec.x")
     target = spec.schema()["properties"]["spec"]["properties"]["target"]["properties"]
     assert target["parallelism"]["properties"]["schedule"]["default"] == JobConfig().target.parallelism.schedule
+
+
+def test_the_pod_environment_names_are_spelled_once() -> None:
+    """The builders and the workloads name the pods' SPECTRAIN_* variables through contract.ENV_*;
+    a literal elsewhere is a second definition that can drift from the one the other side reads."""
+    import ast
+    from pathlib import Path
+
+    from spectrain_workloads import contract
+
+    root = Path(__file__).resolve().parents[2]
+    names = {v for k, v in vars(contract).items() if k.startswith("ENV_")}
+    files = [root / "operator/spectrain_operator/builders.py", root / "operator/spectrain_operator/gpu_sharing.py",
+             *(root / "workloads/spectrain_workloads").glob("*.py"),
+             *(root / "workloads/spectrain_workloads/drafter").glob("*.py")]
+    hits = [f"{f.relative_to(root)}:{node.lineno}: {node.value}" for f in files if f.name != "contract.py"
+            for node in ast.walk(ast.parse(f.read_text()))
+            if isinstance(node, ast.Constant) and node.value in names]
+    assert not hits, hits

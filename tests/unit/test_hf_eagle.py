@@ -26,7 +26,7 @@ from spectrain_workloads.drafter.serving_export import (  # noqa: E402
 )
 from spectrain_workloads.drafter.verify import measure_batch  # noqa: E402
 from spectrain_workloads.model import causal_decode_mask  # noqa: E402
-from spectrain_workloads.rl.rollout import EagleDraft, as_drafter  # noqa: E402
+from spectrain_workloads.specdec.adapters import EagleDraft, as_drafter  # noqa: E402
 
 pytestmark = pytest.mark.unit
 

@@ -109,7 +109,7 @@ def test_missing_tensors_and_a_small_vocabulary_are_refused(llama: Path, tmp_pat
 
 
 def test_layout_rules_use_the_models_own_sizes(llama: Path, tmp_path: Path) -> None:
-    from spectrain_workloads.target.models import resolve_target
+    from spectrain_workloads.target_model import resolve_target
 
     three = job({"path": f"file://{llama}"}, nodes=3, parallelism={"pipeline": 3, "microbatches": 3})
     with pytest.raises(ConfigError, match=r"3 stages do not divide the model's 2 layers"):

@@ -13,8 +13,10 @@ import torch
 from spectrain_workloads.drafter.hf_eagle import HFEagleDrafter
 from spectrain_workloads.hf.stage import HFStage
 from spectrain_workloads.model import causal_decode_mask
-from spectrain_workloads.rl.rollout import DraftController, RolloutConfig, RolloutEngine
-from spectrain_workloads.rl.specdec import Sampling, to_probs
+from spectrain_workloads.specdec.config import RolloutConfig
+from spectrain_workloads.specdec.controller import DraftController
+from spectrain_workloads.specdec.engine import RolloutEngine
+from spectrain_workloads.specdec.sampling import Sampling, to_probs
 from tests.unit.test_specdec import always_accept, chi2_pvalue
 
 pytestmark = pytest.mark.unit

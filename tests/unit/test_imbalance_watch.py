@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from spectrain_workloads.target.imbalance_watch import AlarmWatch, ThreadWatch, Watch, make_watch
-from spectrain_workloads.target.instrument import Instrument, InstrumentOptions
+from spectrain_workloads.harvest.imbalance_watch import AlarmWatch, ThreadWatch, Watch, make_watch
+from spectrain_workloads.harvest.instrument import Instrument, InstrumentOptions
 from tests.waiting import wait_for
 
 # pytest-timeout's default method uses SIGALRM itself; the thread method leaves it to the watch

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from spectrain_workloads.target import instrument as im
-from spectrain_workloads.target.instrument import Instrument, InstrumentOptions
-from spectrain_workloads.target.window_predictors import (
+from spectrain_workloads.harvest import instrument as im
+from spectrain_workloads.harvest.instrument import Instrument, InstrumentOptions
+from spectrain_workloads.harvest.window_predictors import (
     lagged_prediction_ns,
     min_relative_error_center,
     peer_lag_ns,

@@ -20,9 +20,9 @@ from spectrain_workloads.rl.grpo import (
     response_logprobs,
     sft_warmup,
 )
-from spectrain_workloads.rl.rollout import RolloutConfig
 from spectrain_workloads.rl.sidebyside import plain_rerun
 from spectrain_workloads.rl.tasks import TOKENIZER, Example, get_task
+from spectrain_workloads.specdec.config import RolloutConfig
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)

@@ -15,7 +15,10 @@ import torch
 
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import KVCache
-from spectrain_workloads.rl.rollout import DraftController, EagleDraft, LMDraft, RolloutConfig, RolloutEngine
+from spectrain_workloads.specdec.adapters import EagleDraft, LMDraft
+from spectrain_workloads.specdec.config import RolloutConfig
+from spectrain_workloads.specdec.controller import DraftController
+from spectrain_workloads.specdec.engine import RolloutEngine
 from tests.unit.drafters import TinyEagle, tiny_model
 
 pytestmark = pytest.mark.unit

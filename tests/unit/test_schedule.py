@@ -1,11 +1,11 @@
-"""target.schedule: pipeline schedules, their idle slots and the executor's receive order."""
+"""harvest.schedule: pipeline schedules, their idle slots and the executor's receive order."""
 
 from __future__ import annotations
 
 import pytest
 
 from spectrain_workloads.errors import ConfigError
-from spectrain_workloads.target.schedule import Op, ScaledTimeline, Schedule, simulate
+from spectrain_workloads.harvest.schedule import Op, ScaledTimeline, Schedule, simulate
 
 pytestmark = pytest.mark.unit
 
@@ -111,7 +111,7 @@ def test_interleaved_action_list_p2_m4() -> None:
 def test_executor_posts_each_receive_once_in_the_order_its_peer_sends(name: str, p: int, m: int, v: int) -> None:
     from torch import nn
 
-    from spectrain_workloads.target.instrument import Instrument, InstrumentOptions
+    from spectrain_workloads.harvest.instrument import Instrument, InstrumentOptions
     from spectrain_workloads.target.pipeline import StageExecutor
 
     s = Schedule(name=name, n_stages=p, microbatches=m, chunks=v if v > 1 else 0)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from spectrain_workloads.model import ModelConfig, Transformer
-from spectrain_workloads.rl.rollout import RolloutConfig, RolloutEngine
-from spectrain_workloads.rl.specdec import Sampling, to_probs, verify
+from spectrain_workloads.specdec.config import RolloutConfig
+from spectrain_workloads.specdec.engine import RolloutEngine
+from spectrain_workloads.specdec.sampling import Sampling, to_probs, verify
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)

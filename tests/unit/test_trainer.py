@@ -1,4 +1,4 @@
-"""target.trainer: the Pretrain layout (every rule at start) and the instrumented-step pattern."""
+"""target.trainer: the Pretrain layout (every rule at start); harvest.instrument: the instrumented-step pattern."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def test_bad_input_is_a_config_error_naming_the_field(tmp_path) -> None:
 
 
 def test_instrument_interleave_pattern_and_option() -> None:
+    from spectrain_workloads.harvest.instrument import instrumented_step
     from spectrain_workloads.runtime import TargetOptions
-    from spectrain_workloads.target.trainer import instrumented_step
 
     assert all(instrumented_step(s, 0) for s in range(10))
     # blocks of 2 in the order on off off on, then again

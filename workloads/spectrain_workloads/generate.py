@@ -6,9 +6,9 @@
 
 The target is the model directory (a Hugging Face layout: the source of a job, or the trained
 $RUN_DIR/target/hf); the drafter is an export root ($SPECTRAIN_EXPORT_DIR, follows LATEST) or one
-of its v<N> directories. Decoding is the project's rollout engine (rl.rollout: static KV caches,
-rejection-sampling verification, the adaptive controller choosing 0..K drafted tokens per step
-from costs it measures on this device: k = 0 where drafting does not pay), so the output
+of its v<N> directories. Decoding is the project's speculative-decoding engine (specdec: static KV
+caches, rejection-sampling verification, the adaptive controller choosing 0..K drafted tokens per
+step from costs it measures on this device: k = 0 where drafting does not pay), so the output
 distribution is the target's own: at temperature 0 the tokens are the target's greedy tokens
 (transformers' generate(do_sample=False)). Prompts are tokenized as transformers does
 (`tokenizer(text).input_ids`, specials included). The output reports the controller's decisions:
@@ -124,7 +124,8 @@ def compare(spec: Any, plain: Any, ids: list[list[int]], repeats: int) -> dict[s
 def generate(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from spectrain_workloads.rl.rollout import RolloutConfig, RolloutEngine
+    from spectrain_workloads.specdec.config import RolloutConfig
+    from spectrain_workloads.specdec.engine import RolloutEngine
 
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

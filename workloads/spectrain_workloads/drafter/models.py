@@ -171,7 +171,7 @@ class TargetShared:
     model_config: ModelConfig
     digest: str                  # sha256 of the target model config (the export records it)
     stamp: tuple[int, ...]       # mtimes of the files: a change means the target rewrote them
-    hf_config: dict[str, Any] | None = None   # an HF target's config.json (target.models.shared_config)
+    hf_config: dict[str, Any] | None = None   # an HF target's config.json (target_model.TargetModel.shared_config)
 
 
 def shared_dir(run_dir: str | os.PathLike[str]) -> Path:

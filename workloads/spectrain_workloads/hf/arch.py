@@ -5,7 +5,7 @@ rotary embeddings (so its numerics are transformers'), wrapped in this project's
 (`hf.stage.HFStage`). The supported architectures are the Llama family whose modelling files
 name their parts `<Family>DecoderLayer`, `<Family>RMSNorm`, `<Family>RotaryEmbedding`.
 
-`StaticKV` is the KV cache the project's decoding engine (rl.rollout) uses, presented through
+`StaticKV` is the KV cache the project's decoding engine (specdec.engine) uses, presented through
 the one method of transformers' Cache protocol the attention layers call (`update`): static
 buffers [B, n_kv, max_T, d] per layer, positions written in place, per-row positions allowed.
 """

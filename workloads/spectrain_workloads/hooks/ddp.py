@@ -1,9 +1,9 @@
 """`ddp_comm_hook(model, pub)`: a Communication window per DDP bucket all-reduce.
 
-Registers the built-in trainer's hook (target/pipeline.py `make_comm_hook`): the maths of torch's
+Registers the built-in trainer's hook (harvest/comm_hook.py `make_comm_hook`): the maths of torch's
 `allreduce_hook` (divide the bucket [n] by the world size, all-reduce the sum) plus a window from
 the bucket's launch to its completion (closed on gloo's / NCCL's completion callback), predicted
-from the end of the step's first bucket launch plus this bucket's recent lag (instrument.py).
+from the end of the step's first bucket launch plus this bucket's recent lag (harvest/instrument.py).
 The windows' channel is `dp-bucket-<bucket index>` (+ `prefix`).
 
 A NoopPublisher registers nothing: DDP keeps its own C++ all-reduce. Both sum the same bucket
@@ -18,9 +18,9 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
+from spectrain_workloads.harvest.comm_hook import make_comm_hook
 from spectrain_workloads.hooks.errors import HookError
 from spectrain_workloads.hooks.publisher import NoopPublisher, Publisher
-from spectrain_workloads.target.pipeline import make_comm_hook
 
 
 def ddp_comm_hook(model: DistributedDataParallel, pub: Publisher | NoopPublisher, *, prefix: str = "") -> None:

@@ -9,13 +9,13 @@ its idle steps; each run of Nones is one slot, claimed by the first action at or
 receives (an F on a stage other than the first, a B on a stage other than the last). torch 2.13
 drops the Nones from the single-stage schedules' `pipeline_order` (and numbers the last rank's
 forwards from 1 in Schedule1F1B's), so for Schedule1F1B and ScheduleGPipe the slots and the
-compute order are the built-in trainer's for the same schedule (target/schedule.py), which runs
+compute order are the built-in trainer's for the same schedule (harvest/schedule.py), which runs
 the same actions in the same order as torch's.
 
 At run time each receive of the schedule is waited on by `_wait_batch_p2p` right before the action
 that needs it (torch_internals.py). The wait before a slot's action is its Bubble window, opened
 with the built-in trainer's prediction (Instrument.bubble_open: the schedule simulated with this
-rank's measured F/B times, `target.schedule.simulate`, times a learned per-slot correction, or
+rank's measured F/B times, `harvest.schedule.simulate`, times a learned per-slot correction, or
 the slot's recent lengths when those predicted better); any other receive wait is a Communication
 window (pp-recv-act / pp-recv-grad) with an Imbalance watch, as in the built-in executor. The
 first slot of a step also holds the previous step's tail (the stages are not synchronised
@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 
 from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.harvest.schedule import Action, Op, ScaledTimeline, Schedule
 from spectrain_workloads.hooks import torch_internals as ti
 from spectrain_workloads.hooks.errors import HookError
 from spectrain_workloads.hooks.publisher import NoopPublisher, Publisher
-from spectrain_workloads.target.schedule import Action, Op, ScaledTimeline, Schedule
 
 _NAMES = {"Schedule1F1B": "1F1B", "ScheduleGPipe": "GPipe", "ScheduleInterleaved1F1B": "Interleaved1F1B"}
 

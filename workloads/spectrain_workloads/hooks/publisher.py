@@ -3,7 +3,7 @@
 Inside a SpecTrainJob pod (SPECTRAIN_RUN_DIR and SPECTRAIN_CONFIG set, docs/contracts.md) `attach()`
 returns a `Publisher` for this rank: it creates the rank's ring (the drafter sidecar reads it),
 the metrics files the report reads (metrics/target-rank-<r>.jsonl, windows-rank-<r>.jsonl), and
-the Instrument the adapters drive (target/instrument.py: the built-in trainer's window
+the Instrument the adapters drive (harvest/instrument.py: the built-in trainer's window
 predictions). Anywhere else it returns `NOOP`, whose methods do nothing, so one script runs in
 and out of a job. SPECTRAIN_INSTRUMENT=0 also gives `NOOP`; SPECTRAIN_DRAFTER_ENABLED=0 keeps the
 windows in the metrics but creates no ring.
@@ -13,7 +13,7 @@ Three calls carry the drafter's inputs:
   `expected_s` is not given);
 - `pub.hidden_states(hidden [b, T, H], tokens [b, T])`: the final-norm hidden states of the last
   stage and the input ids; a share of the b sequences (SPECTRAIN_PUBLISH_FRACTION) goes into the
-  ring (target/publisher.py: copied on the spot from CPU; from CUDA through pinned buffers and a
+  ring (harvest/data_publisher.py: copied on the spot from CPU; from CUDA through pinned buffers and a
   thread with a bounded queue, dropped when full);
 - `pub.step_end(step)`: once per optimizer step; the step's windows are learned from and written.
 `pub.share_weights(embedding, lm_head)` writes the embedding and LM head ([V, H] each) the Eagle
@@ -44,11 +44,10 @@ from spectrain_workloads.contract import (
     WINDOW_KINDS,
     ModelConfig,
 )
+from spectrain_workloads.harvest.instrument import Instrument, InstrumentOptions, instrumented_step
 from spectrain_workloads.hooks.errors import HookError
 from spectrain_workloads.hooks.windows import ManualWindow, ManualWindows
 from spectrain_workloads.runtime import RankInfo, TargetOptions, ring_layout
-from spectrain_workloads.target.instrument import Instrument, InstrumentOptions
-from spectrain_workloads.target.trainer import instrumented_step
 
 
 def _check_kind(kind: str) -> None:
@@ -124,7 +123,7 @@ class _IdleWindow:
 class _SyncPoint:
     """`with pub.imbalance():` around a wait for the other ranks (a barrier, the step's last
     collective): the Instrument opens an Imbalance window if the wait outlasts the transfers still
-    outstanding by SPECTRAIN_IMBALANCE_MIN_MS (target/instrument.py, sync points)."""
+    outstanding by SPECTRAIN_IMBALANCE_MIN_MS (harvest/instrument.py, sync points)."""
 
     __slots__ = ("_instr",)
 
@@ -162,7 +161,7 @@ class Publisher:
                                                             imbalance_min_ns=int(opts.imbalance_min_ms * 1e6)))
         self.manual = ManualWindows(stage=self.stage, producer=self.producer, lock=self._lock,
                                     sink=self.metrics.window_closed)
-        self._data: Any = None                   # target.publisher.DataPublisher, on the first sample
+        self._data: Any = None                   # harvest.data_publisher.DataPublisher, on the first sample
         self._mb = 0                             # hidden_states calls this step (the sample's seq_index base)
         self._shared_dim: int | None = None
         self._checked: tuple[Any, ...] | None = None     # the sample shapes hidden_states last accepted
@@ -199,7 +198,7 @@ class Publisher:
     def hidden_states(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
         """hidden [b, T, H] (or [T, H]): final-norm output, so that logits = lm_head(hidden);
         tokens [b, T] (or [T]) int: the input ids of those positions. Never blocks: a share of the
-        sequences goes into the ring (target/publisher.py: copied on the spot from CPU, from CUDA by a
+        sequences goes into the ring (harvest/data_publisher.py: copied on the spot from CPU, from CUDA by a
         thread that drops samples when its queue is full)."""
         if not self.enabled:
             return
@@ -217,7 +216,7 @@ class Publisher:
         if self.producer is None:
             return
         if self._data is None:
-            from spectrain_workloads.target.publisher import DataPublisher
+            from spectrain_workloads.harvest.data_publisher import DataPublisher
 
             self._data = DataPublisher(self.producer, fraction=self.opts.publish_fraction, stage=self.stage,
                                        lock=self._lock)
@@ -336,7 +335,7 @@ def attach(*, hidden_dim: int | None = None, seq_len: int | None = None,
     cfg = load_config(e[ENV_CONFIG])
     t = cfg.target
     if hidden_dim is None:
-        from spectrain_workloads.target.models import resolve_target
+        from spectrain_workloads.target_model import resolve_target
 
         hidden_dim = resolve_target(cfg).config.dim
     if seq_len is None:

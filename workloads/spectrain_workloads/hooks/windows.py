@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from spectrain_workloads.harvest.window_predictors import min_relative_error_center
 from spectrain_workloads.ring import WindowKind
-from spectrain_workloads.target.window_predictors import min_relative_error_center
 
 # metrics window_id of a window with no ring record: far above the ring's ids and the Instrument's
 _LOCAL_ID_BASE = 1 << 40

@@ -11,7 +11,7 @@ From the RL keys of the target's step lines (rl/grpo.py StepResult.metrics, docs
   ratio of median step times instead, and the summary says which source it is;
 - acceptance of the continually trained drafter: tokens per verification in the rollouts
   themselves (steps that speculated), first and last n steps, as the drafter kept training;
-- the draft-length controller's decisions (rl/controller.py): the share of decode steps decoded
+- the draft-length controller's decisions (specdec/controller.py): the share of decode steps decoded
   plainly (k = 0), first and last n steps (it falls as the drafter learns to pay), and decode steps
   per draft length summed over the run.
 """

@@ -42,9 +42,10 @@ from torch import nn
 from spectrain_workloads.contract import ENV_EXPORT_DIR
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import Transformer
-from spectrain_workloads.rl.rollout import RolloutConfig, RolloutEngine, RolloutResult
 from spectrain_workloads.rl.sidebyside import plain_rerun
 from spectrain_workloads.rl.tasks import TOKENIZER, Example, Task, get_task
+from spectrain_workloads.specdec.config import RolloutConfig, RolloutResult
+from spectrain_workloads.specdec.engine import RolloutEngine
 
 ROLLOUT_TAIL = 4          # ring.WindowKind.ROLLOUT_TAIL (the ring is optional here)
 
@@ -400,7 +401,7 @@ class GRPOTrainer:
 def run(cfg: Any) -> list[float]:
     """spec.mode RL on this rank (env per docs/contracts.md); returns the per-step mean rewards."""
     from spectrain_workloads.runtime import Runtime
-    from spectrain_workloads.target.models import resolve_target
+    from spectrain_workloads.target_model import resolve_target
 
     rt = Runtime.start(cfg, leave_drafter_threads=True)
     opts, rank, device, t = rt.opts, rt.rank, rt.device, cfg.target

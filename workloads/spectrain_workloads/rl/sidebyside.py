@@ -15,8 +15,8 @@ policy trains on. With the controller restored too, losses and rewards are bitwi
 measurement on or off (tests/unit/test_rl.py checks it with a Fixed strategy on CPU).
 
 Lossless speculative decoding makes the two rollouts comparable: greedy, they are token for token
-equal; sampling, identically distributed (specdec.py), so the plain rerun's tokens per second is a
-fair baseline for the speculative rollout's.
+equal; sampling, identically distributed (specdec/sampling.py), so the plain rerun's tokens per
+second is a fair baseline for the speculative rollout's.
 
 What the rerun does not reproduce: the drafter sidecar. The rerun runs before the step's RolloutTail
 window opens, so the sidecar is idle during it, while it trains in that window during the speculative
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from spectrain_workloads.rl.rollout import RolloutEngine
+from spectrain_workloads.specdec.engine import RolloutEngine
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Executes one stage's action list (schedule.py) over isend/irecv, with DDP across replicas.
+"""Executes one stage's action list (harvest/schedule.py) over isend/irecv, with DDP across replicas.
 
 Per step, stage s of p with m microbatches of shape [b, T] (b = batch / m):
 - F(i): stage 0 embeds tokens [b, T]; others wait for the activation [b, T, H] from s-1. The
@@ -30,9 +30,10 @@ reducer is armed with `prepare_for_backward([])`, which is exactly what DDP's ow
 when sync is on. That is needed because in 1F1B the last forward is not followed by the last
 backward, so `no_sync()` around forwards cannot express it. Each chunk's reducer is armed
 before that chunk's last backward on the rank, so it all-reduces exactly the chunk's gradients
-(every chunk's parameters take part in each of its backwards). The comm hook is the default
-all-reduce's maths (divide by world, sum) plus Communication windows per bucket; it is installed
-whether or not instrumentation is on, so losses are bitwise equal either way.
+(every chunk's parameters take part in each of its backwards). The comm hook (harvest/comm_hook.py,
+registered by the trainer) is the default all-reduce's maths (divide by world, sum) plus
+Communication windows per bucket; it is installed whether or not instrumentation is on, so losses
+are bitwise equal either way.
 """
 
 from __future__ import annotations
@@ -49,33 +50,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from spectrain_workloads.target.instrument import Instrument
-from spectrain_workloads.target.schedule import Op, Schedule
-
-
-def make_comm_hook(instrument: Instrument, channel: str = "dp-bucket-"
-                   ) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
-    """DDP comm hook: bucket all-reduce (mean) with a Communication window per bucket
-    (channel + bucket index; one prefix per DDP, e.g. per model chunk)."""
-
-    # No annotations on purpose: DDP checks them against the real classes, and this module's
-    # `from __future__ import annotations` turns them into strings.
-    def hook(group, bucket):  # type: ignore[no-untyped-def]
-        buf = bucket.buffer()                       # flat [n] view of this bucket's gradients
-        world = dist.get_world_size(group)
-        buf.div_(world)                             # same maths as torch's allreduce_hook
-        # anchor "dp": a bucket's all-reduce ends when the slowest replica launches it, so its end is
-        # predicted relative to this step's first bucket launch (instrument.py), not from bandwidth
-        w = instrument.comm_open(f"{channel}{bucket.index()}", buf.numel() * buf.element_size(), anchor="dp")
-        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-
-        def done(f: torch.futures.Future) -> torch.Tensor:
-            instrument.comm_close(w)                # runs on completion (gloo's worker thread)
-            return f.value()[0]
-
-        return fut.then(done)
-
-    return hook
+from spectrain_workloads.harvest.instrument import Instrument
+from spectrain_workloads.harvest.schedule import Op, Schedule
 
 
 class SendTracker:
@@ -83,7 +59,7 @@ class SendTracker:
     waits on them in order and closes their Communication windows at completion (gloo's send
     works expose no future and report completion only through wait()). The hand-offs are C-level
     SimpleQueues, so the thread runs little Python per send; its wake-ups are the larger cost on a
-    busy CPU (imbalance_watch.py says more)."""
+    busy CPU (harvest/imbalance_watch.py says more)."""
 
     def __init__(self, instrument: Instrument) -> None:
         self.instrument = instrument

@@ -2,7 +2,7 @@
 
 Rank layout: global rank r is stage `r % pipeline` of replica `r // pipeline` (pipeline
 neighbours are adjacent ranks, so a node's local ranks hold consecutive stages). Every stage
-builds `target.build_stage(k, P)` (target.models: a preset's `Transformer.stage` with the seeded
+builds `target.build_stage(k, P)` (target_model.py: a preset's `Transformer.stage` with the seeded
 init, or a Hugging Face model's `HFStage` with its checkpoint's weights), so the pipelined model is
 the single-process model cut into slices. Under Interleaved1F1B stage k builds v chunks, the virtual
 stages `build_stage(c * P + k, P * v)` for c < v (each its own DDP; one optimizer and
@@ -19,7 +19,9 @@ An HF target with tied embeddings split across stages keeps its two copies (firs
 last stage's head) equal by summing their gradients over a [first, last] group before each
 optimizer step; at the end its stages write the trained model in Hugging Face's layout (hf.save).
 
-Setup, checkpoints, metrics, the ring and SIGTERM are the shared runtime's (spectrain_workloads.runtime).
+Setup, checkpoints, metrics, the ring and SIGTERM are the shared runtime's (spectrain_workloads.runtime);
+the windows and their predictions, the DDP comm hook and the data publisher are harvest/'s, the
+components the hooks API drives in a user's trainer.
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ from spectrain_workloads.config import JobConfig
 from spectrain_workloads.contract import require_valid
 from spectrain_workloads.data import LoaderSpec, TokenLoader, resolve_source
 from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.harvest.comm_hook import make_comm_hook
+from spectrain_workloads.harvest.imbalance_watch import block_alarm_in_new_threads, unblock_alarm
+from spectrain_workloads.harvest.instrument import Instrument, InstrumentOptions, instrumented_step
+from spectrain_workloads.harvest.schedule import Schedule
 from spectrain_workloads.model import ModelConfig
 from spectrain_workloads.runtime import RankInfo, Runtime, TargetOptions
-from spectrain_workloads.target.imbalance_watch import block_alarm_in_new_threads, unblock_alarm
-from spectrain_workloads.target.instrument import Instrument, InstrumentOptions
-from spectrain_workloads.target.models import TargetModel, resolve_target
-from spectrain_workloads.target.pipeline import StageExecutor, make_comm_hook
-from spectrain_workloads.target.schedule import Schedule
+from spectrain_workloads.target.pipeline import StageExecutor
+from spectrain_workloads.target_model import TargetModel, resolve_target
 
 _LOSS_TAG = 1 << 20
 
@@ -132,7 +135,7 @@ def train(cfg: JobConfig, opts: TargetOptions, rank: RankInfo) -> list[float | N
                                               imbalance_min_ns=int(opts.imbalance_min_ms * 1e6)))
     publisher = None
     if producer is not None and last and opts.publish_fraction > 0:
-        from spectrain_workloads.target.publisher import DataPublisher
+        from spectrain_workloads.harvest.data_publisher import DataPublisher
 
         publisher = DataPublisher(producer, fraction=opts.publish_fraction, stage=stage, lock=ring_lock)
     stage_mods: list[torch.nn.Module] = list(chunks)
@@ -260,9 +263,3 @@ def save_hf_layout(plan: TrainingLayout, chunks: list[torch.nn.Module], rt: Runt
         assert plan.target.source is not None
         dtype = next(chunks[0].parameters()).dtype
         hf_save.finish(out, plan.target.source, P * V, plan.target.tokenizer(), dtype)
-
-
-def instrumented_step(step: int, interleave: int) -> bool:
-    """Whether `step` is instrumented when steps are interleaved in blocks of `interleave` (0: all):
-    blocks on, off, off, on, then again, so a load drifting linearly over 4 blocks cancels out."""
-    return interleave <= 0 or (step // interleave) % 4 in (0, 3)

@@ -1,4 +1,5 @@
-"""Drafter training data from the last pipeline stage to the ring's data channel.
+"""Drafter training data from the last pipeline stage to the ring's data channel (the built-in
+trainer's `on_hidden`, and `pub.hidden_states` of the hooks API).
 
 Per microbatch the last stage hands over hidden [b, T, H] (final-norm output) and tokens [b, T];
 the first `ceil(fraction * b)` sequences are published, one ring record each: meta

@@ -5,6 +5,9 @@ trainer, the ring, the drafter's shared files and the corpus need.
     target = resolve_target(cfg)          # checks the directory before anything is built
     stage = target.build_stage(k, P)      # initialised (preset, from the seed) or loaded (HF)
     corpus = target.load_corpus(source)   # token ids with the model's tokenizer
+
+Every mode trains one (target.trainer, rl.grpo) and `hooks.attach` sizes the ring from it, so it
+sits beside them, not inside target/ or rl/ (neither package imports the other's models).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Batched rollout engine: KV-cached generation for a target and (optionally) a drafter.
+"""The decoding engine: batched, KV-cached generation for a target and (optionally) a drafter, the
+draft-verify loop around `sampling.speculative_step`.
 
 Layout. Every row keeps its own length; the models run with per-row positions `pos` [B, T], so rows
 of different lengths share one forward and a row's cache slots [0, len) are always its committed
@@ -8,7 +9,7 @@ already finished, ragged catch-up chunks) go to a trash slot (the cache's last s
 query can see. Rows that finish are dropped by compacting the batch to a power-of-two bucket, in place
 in the first rows of the buffers, so CUDA graphs captured per bucket keep their addresses.
 
-Drafter sync is lazy: the engine tracks per row how many committed tokens the drafter has consumed
+Drafter sync is lazy (which token a drafter cache entry holds: `adapters`): the engine tracks per row how many committed tokens the drafter has consumed
 (`dlen`). A speculative step first feeds only the missing suffix [dlen, len) in one forward (one or two
 tokens in steady state; the tokens decoded plainly since the drafter was last used after switching
 on), so turning speculation on mid-rollout never recomputes a prefix. The Eagle drafter reads the
@@ -27,157 +28,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from spectrain_workloads.contract import DRAFT_STRATEGIES
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import KVCache, Transformer, causal_decode_mask
-from spectrain_workloads.rl.controller import DraftController
-from spectrain_workloads.rl.specdec import (
-    AcceptRule,
-    Sampling,
-    pick,
-    rejection_rule,
-    speculative_step,
-    to_probs,
-)
-from spectrain_workloads.tokenizer import ByteTokenizer
+from spectrain_workloads.specdec.adapters import DraftAdapter, as_drafter
+from spectrain_workloads.specdec.config import RolloutConfig, RolloutResult, RolloutStats
+from spectrain_workloads.specdec.controller import DraftController
+from spectrain_workloads.specdec.sampling import AcceptRule, pick, rejection_rule, speculative_step, to_probs
 
 NEW_VERSION_TRIALS = 8.0    # weight (in trials) of the old acceptance estimate when a drafter's newer version arrives
-
-
-@dataclass(kw_only=True)
-class RolloutConfig:
-    max_new_tokens: int = 64
-    temperature: float = 1.0            # 0: greedy
-    top_p: float = 1.0
-    eos_id: int | None = ByteTokenizer.EOS
-    speculative: bool = True
-    max_draft_tokens: int = 8
-    batch_threshold: int = 32           # speculative only while the active batch is <= this
-    strategy: str = "Bandit"            # Bandit: adaptive k per bucket; Fixed: k = max_draft_tokens
-    cuda_graphs: bool = True            # only used on CUDA
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"rl.maxNewTokens must be >= 1, got {self.max_new_tokens}")
-        if not 1 <= self.max_draft_tokens <= 32:
-            raise ConfigError(f"rl.speculative.maxDraftTokens must be in 1..32, got {self.max_draft_tokens}")
-        if self.batch_threshold < 0:
-            raise ConfigError(f"rl.speculative.batchThreshold must be >= 0, got {self.batch_threshold}")
-        if self.strategy not in DRAFT_STRATEGIES:
-            raise ConfigError(f"rl.speculative.strategy must be one of {DRAFT_STRATEGIES}, got {self.strategy!r}")
-        Sampling(temperature=self.temperature, top_p=self.top_p)   # validates both
-
-    @property
-    def sampling(self) -> Sampling:
-        return Sampling(temperature=self.temperature, top_p=self.top_p)
-
-    @classmethod
-    def from_rl(cls, rl: Any, **overrides: Any) -> RolloutConfig:
-        """From `JobConfig.target.rl` (config.RLSpec)."""
-        sp = rl.speculative
-        return cls(**{"max_new_tokens": rl.max_new_tokens, "temperature": rl.temperature,
-                      "speculative": sp.enabled, "max_draft_tokens": sp.max_draft_tokens,
-                      "batch_threshold": sp.batch_threshold, "strategy": sp.strategy, **overrides})
-
-
-# ----------------------------------------------------------------------------------------- drafters
-
-class DraftAdapter:
-    """The engine's view of a drafter. An entry at cache position t consumes token x_{t+offset}."""
-
-    offset = 0
-    keeps_drafts = True        # entries fed with draft tokens stay valid once those tokens are accepted
-    needs_hidden = False
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def setup_caches(self, batch: int, max_len: int) -> None:
-        self.module.setup_caches(batch, max_len)  # type: ignore[operator]
-
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor | None, pos: torch.Tensor,
-                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError
-
-
-class LMDraft(DraftAdapter):
-    """A small model.Transformer: entry t is token x_t."""
-
-    def forward(self, tokens, hidden, pos, mask):  # type: ignore[no-untyped-def]
-        return self.module(tokens, pos, mask), None
-
-
-class EagleDraft(DraftAdapter):
-    """contracts.md Eagle head: entry t is (x_{t+1}, h_t) -> (logits for x_{t+2}, predicted h_{t+1}).
-
-    Entries fed with a predicted hidden are never kept: the next step re-feeds them with the
-    target's true hidden states (as EAGLE does)."""
-
-    offset, keeps_drafts, needs_hidden = 1, False, True
-
-    def forward(self, tokens, hidden, pos, mask):  # type: ignore[no-untyped-def]
-        return self.module(tokens, hidden, pos, mask)
-
-
-def as_drafter(drafter: nn.Module | DraftAdapter, arch: str | None = None) -> DraftAdapter:
-    """Wrap a drafter module; arch "LM" | "Eagle" (default: LM for a model.Transformer, else Eagle)."""
-    if isinstance(drafter, DraftAdapter):
-        return drafter
-    arch = arch or ("LM" if isinstance(drafter, Transformer) else "Eagle")
-    if arch not in ("LM", "Eagle"):
-        raise ConfigError(f"drafter.arch must be Eagle or LM, got {arch!r}")
-    return LMDraft(drafter) if arch == "LM" else EagleDraft(drafter)
-
-
-# ------------------------------------------------------------------------------------------- engine
-
-@dataclass
-class RolloutStats:
-    decode_steps: int = 0
-    spec_steps: int = 0
-    verified_rows: int = 0      # row-verifications (one per active row per speculative step)
-    accepted: int = 0           # draft tokens accepted
-    drafted: int = 0
-    committed: int = 0          # generated tokens
-    seconds: float = 0.0
-    trace: list[tuple[int, int, int]] = field(default_factory=list)   # (n_active, bucket, k) per step
-
-    @property
-    def acceptance_length(self) -> float:
-        """Tokens emitted per row-verification (accepted drafts + the target's token)."""
-        return (self.accepted + self.verified_rows) / self.verified_rows if self.verified_rows else 0.0
-
-    @property
-    def k_histogram(self) -> dict[int, int]:
-        """Decode steps per draft length chosen (0: plain), ascending k."""
-        counts: dict[int, int] = {}
-        for _, _, k in self.trace:
-            counts[k] = counts.get(k, 0) + 1
-        return dict(sorted(counts.items()))
-
-    @property
-    def plain_share(self) -> float:
-        """Share of decode steps decoded plainly (k = 0)."""
-        return (self.decode_steps - self.spec_steps) / self.decode_steps if self.decode_steps else 0.0
-
-
-@dataclass
-class RolloutResult:
-    sequences: list[list[int]]          # per row: prompt + response (EOS included when emitted)
-    prompt_lens: list[int]
-    hidden: list[torch.Tensor | None]   # per row [len-1, H]: target final-norm hidden at positions 0..len-2
-    stats: RolloutStats
-
-    @property
-    def responses(self) -> list[list[int]]:
-        return [s[p:] for s, p in zip(self.sequences, self.prompt_lens, strict=False)]
 
 
 def _next_pow2(n: int) -> int:
@@ -332,9 +195,9 @@ class RolloutEngine:
     def _target_fwd(self, tokens: torch.Tensor, pos: torch.Tensor, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         def fn(tokens: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return self.target(tokens, pos, causal_decode_mask(pos, self.cache_len), return_hidden=True)
-        if self.graphs is not None:
-            return self._timed("target", tokens.shape, lambda: self.graphs.run(("t", *tokens.shape), fn, tokens, pos),
-                               record)
+        graphs = self.graphs
+        if graphs is not None:
+            return self._timed("target", tokens.shape, lambda: graphs.run(("t", *tokens.shape), fn, tokens, pos), record)
         return self._timed("target", tokens.shape, lambda: fn(tokens, pos), record)
 
     def _draft_fwd(self, tokens: torch.Tensor, hidden: torch.Tensor | None, pos: torch.Tensor,
@@ -345,8 +208,9 @@ class RolloutEngine:
         def fn(tokens: torch.Tensor, pos: torch.Tensor, *hidden: torch.Tensor) -> Any:
             return d.forward(tokens, hidden[0] if hidden else None, pos, causal_decode_mask(pos, self.cache_len))
         args = (tokens, pos) + ((hidden,) if hidden is not None else ())
-        if self.graphs is not None and graph:
-            return self._timed("draft", tokens.shape, lambda: self.graphs.run(("d", *tokens.shape), fn, *args), record)
+        graphs = self.graphs
+        if graphs is not None and graph:
+            return self._timed("draft", tokens.shape, lambda: graphs.run(("d", *tokens.shape), fn, *args), record)
         return self._timed("draft", tokens.shape, lambda: fn(*args), record)
 
     def _calibrate(self) -> None:
@@ -375,7 +239,7 @@ class RolloutEngine:
         return logits
 
     def _draft_next_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """draft_next for specdec.speculative_step; its first call catches the drafter up lazily."""
+        """draft_next for sampling.speculative_step; its first call catches the drafter up lazily."""
         d = self.drafter
         assert d is not None
         state: dict[str, Any] = {}
@@ -430,8 +294,8 @@ class RolloutEngine:
         self.active = torch.ones(B, dtype=torch.bool, device=dev)
         self.dlen = torch.full((B,), self.drafter.offset if self.drafter else 0, device=dev)
         self._dperm = None                              # fresh rows: the drafter's old cache rows are not read
-        for i, p in enumerate(prompts):
-            self.tok[i, : len(p)] = torch.tensor(p, device=dev)
+        for i, prompt in enumerate(prompts):
+            self.tok[i, : len(prompt)] = torch.tensor(prompt, device=dev)
         result = self.result = RolloutResult([list(p) for p in prompts], lens, [None] * B, RolloutStats())
         t_start = time.perf_counter()
 
@@ -525,5 +389,4 @@ class RolloutEngine:
         return result
 
 
-__all__ = ["NEW_VERSION_TRIALS", "DraftAdapter", "DraftController", "EagleDraft", "LMDraft", "RolloutConfig", "RolloutEngine",
-           "RolloutResult", "RolloutStats", "as_drafter"]
+__all__ = ["NEW_VERSION_TRIALS", "RolloutEngine"]

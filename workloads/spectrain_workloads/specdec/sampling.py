@@ -8,7 +8,7 @@ p and q (accept iff the draft equals the target's argmax; the replacement is the
 greedy output is token for token what plain greedy decoding emits.
 
 Shapes: B batch rows, k draft length, V vocab. Batching, KV caches and the drafter's catch-up live
-in `spectrain_workloads.rl.rollout`; this module is the rule itself.
+in `engine`; this module is the rule itself.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Idle-window publishing for the target: Bubble, Communication and Imbalance windows.
 
-- Bubble: pre-scheduled. The pipeline executor opens a BUBBLE slot of the schedule (schedule.py)
-  right after the previous action ends, before it blocks on the receive that ends the bubble. The
-  prediction is the schedule simulated with the EMA of this stage's measured forward/backward
-  times (`record_compute`), times a per-slot correction: the median of recent actual / simulated for that
+- Bubble: pre-scheduled. The pipeline executor (target/pipeline.py, or hooks/pipelining.py around
+  torch's schedules) opens a BUBBLE slot of the schedule (schedule.py) right after the previous
+  action ends, before it blocks on the receive that ends the bubble. The prediction is the
+  schedule simulated with the EMA of this stage's measured forward/backward times
+  (`record_compute`), times a per-slot correction: the median of recent actual / simulated for that
   slot. A stage only measures its own F/B, but its bubbles are the other stages' compute (the
   last stage's LM head and loss make it slower than the rest, for one); the correction learns
   that per slot, while the simulation still follows changes of F/B times at once. Per slot, the
@@ -11,7 +12,7 @@
   lower median relative error over the slot's recent bubbles (`prefer_second`): on a shared CPU the
   stage's own F/B jitter, which the simulation follows, says little about the peer's compute that
   the bubble waits for.
-- Communication: opened when a collective is launched (DDP bucket all-reduce in the comm hook,
+- Communication: opened when a collective is launched (DDP bucket all-reduce in comm_hook.py,
   pipeline isend, a pipeline receive the stage has to wait for), closed on completion. Predicted
   from the recent durations of the same (channel, bytes, position) (position: the microbatch
   of a pipeline transfer, so a receive that regularly waits for a slower peer predicts that wait),
@@ -69,8 +70,8 @@ from pathlib import Path
 from typing import Any
 
 from spectrain_workloads.contract import WINDOW_KINDS
-from spectrain_workloads.target.imbalance_watch import Watch, make_watch
-from spectrain_workloads.target.window_predictors import (
+from spectrain_workloads.harvest.imbalance_watch import Watch, make_watch
+from spectrain_workloads.harvest.window_predictors import (
     LinearFit,
     lagged_prediction_ns,
     min_relative_error_center,
@@ -100,6 +101,12 @@ class InstrumentOptions:
     def __post_init__(self) -> None:
         if not 0.0 <= self.usual_end_quantile <= 1.0:
             raise ValueError(f"InstrumentOptions.usual_end_quantile must be in [0, 1], got {self.usual_end_quantile}")
+
+
+def instrumented_step(step: int, interleave: int) -> bool:
+    """Whether `step` is instrumented when steps are interleaved in blocks of `interleave` (0: all):
+    blocks on, off, off, on, then again, so a load drifting linearly over 4 blocks cancels out."""
+    return interleave <= 0 or (step // interleave) % 4 in (0, 3)
 
 
 @dataclass(slots=True)
