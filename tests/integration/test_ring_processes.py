@@ -1,5 +1,6 @@
 """The ring between real processes (multiprocessing 'spawn'): wake-ups, torn-record freedom under a
-concurrent writer, exact loss accounting, SIGKILL of either side, producer restart."""
+concurrent writer, exact loss accounting, SIGKILL of either side, producer restart (after a clean close
+or a SIGKILL)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spectrain_workloads.ring import ProducerDead, RingConsumer, RingLayout, RingProducer, WindowKind
+from spectrain_workloads.ring import (
+    ProducerDead,
+    RingConsumer,
+    RingError,
+    RingLayout,
+    RingProducer,
+    WindowKind,
+)
 from tests.integration import ring_workers as W
 from tests.waiting import wait_for
 
@@ -190,3 +198,28 @@ def test_restarted_producer_is_picked_up_without_reopening(ring: Path, request: 
     second.join(30)
     assert second.exitcode == 0
     c.close()
+
+
+def test_a_producer_killed_without_closing_is_replaced_and_followed(
+        ring: Path, request: pytest.FixtureRequest) -> None:
+    """Nothing of a SIGKILLed target's ring survives but its socket: the next target replaces it,
+    readers follow by the path's inode, and the new generation is above any reached before."""
+    layout = {"window_slots": 64, "data_slots": 2, "data_slot_bytes": 4096}
+    ready, go = CTX.Event(), CTX.Event()
+    first = spawn(request, W.produce, str(ring), layout, None, 1024, 5, ready, go)
+    assert ready.wait(30)
+    c = RingConsumer.open(ring, timeout_s=5, start="oldest")
+    go.set()
+    wait_for(lambda: len(c.poll_windows()) > 0, 10, 0.001, "records from the first producer")
+    kill(first)
+    with pytest.raises(RingError, match="socket nobody serves"):
+        RingConsumer.open(ring, timeout_s=0)
+    wait_for(lambda: not c.producer_alive(), 10, 0.01, "the killed producer to look dead")
+    second = RingProducer.create(ring, RingLayout(**layout))
+    assert second.generation > 1
+    wait_for(c.producer_alive, 10, 0.001, "the reader to follow the new ring")
+    assert c.generation == second.generation and c.resyncs == 1
+    second.window_start(WindowKind.BUBBLE, stage=0, step=42)
+    assert [e.step for e in c.wait_windows(5.0)] == [42]
+    c.close()
+    second.close()

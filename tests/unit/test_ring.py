@@ -1,10 +1,14 @@
 """The ring in one process: format, ordering, wraparound, exact loss accounting, views, back channel,
-file errors (missing / truncated / foreign / version / permissions), close and resync."""
+file errors (missing / truncated / foreign / version / permissions), close and resync, seals, corrupt
+records, a hostile back channel, long ring directories."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -357,3 +361,148 @@ def test_wait_until_wakes_on_data_as_well_as_windows(pair: tuple[RingProducer, R
     assert published.is_set() and rec is not None and rec.meta == {"i": 1}
     p.window_start(WindowKind.BUBBLE, stage=0, step=7)
     assert [e.step for e in c.wait_until(c.poll_windows, timeout_s=30)] == [7]
+
+
+def _received_fd(ring: Path) -> tuple[socket.socket, int]:
+    """What any process that may connect to the ring path gets: the connection and the memfd."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(str(ring))
+    _, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+    return sock, fds[0]
+
+
+def test_ring_memory_is_sealed_and_the_path_cannot_be_truncated(pair: tuple[RingProducer, RingConsumer],
+                                                                ring: Path) -> None:
+    p, c = pair
+    sock, fd = _received_fd(ring)
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        assert seals == fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        size = os.fstat(fd).st_size
+        assert size == SMALL.file_bytes
+        for length in (0, size - 4096, size + 4096):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, length)
+        with pytest.raises(PermissionError):  # F_SEAL_SEAL: no further seal, none lifted
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        assert stat.S_ISSOCK(ring.lstat().st_mode)
+        with pytest.raises(OSError, match="Invalid argument"):
+            os.truncate(ring, 0)
+        assert os.fstat(fd).st_size == size and fcntl.fcntl(fd, fcntl.F_GET_SEALS) == seals
+    finally:
+        os.close(fd)
+        sock.close()
+    p.window_start(WindowKind.BUBBLE, stage=0, step=1)  # the producer's stores still land
+    assert [e.step for e in c.poll_windows()] == [1]
+
+
+def test_an_unsealed_ring_is_refused(ring: Path) -> None:
+    """A server at the path that hands out memory it could still shrink is not a spectrain target."""
+    from spectrain_workloads.ring import layout as L
+    from spectrain_workloads.ring.mapping import _header
+
+    geo = L.Geometry.of(SMALL)
+    fd = os.memfd_create("unsealed")
+    os.ftruncate(fd, geo.total)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(ring))
+    listener.listen(1)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        socket.send_fds(conn, [_header(geo, 1, 0, 0)], [fd])
+        conn.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        with pytest.raises(RingError, match="not sealed against resizing"):
+            RingConsumer.open(ring, timeout_s=0)
+    finally:
+        t.join()
+        listener.close()
+        os.close(fd)
+
+
+def test_corrupt_records_are_skipped_and_counted(pair: tuple[RingProducer, RingConsumer]) -> None:
+    from spectrain_workloads.ring import layout as L
+
+    p, c = pair
+    geo = L.Geometry.of(SMALL)
+    for i in range(4):
+        p.window_start(WindowKind.BUBBLE, stage=0, step=i)
+    kind_at = L.WINDOW_BODY.size + 8 - 4  # kind u16, is_end u16 close the record
+    struct.pack_into("=H", p._mm, geo.window_off + 1 * L.WINDOW_RECORD_BYTES + kind_at, 999)
+    struct.pack_into("=H", p._mm, geo.window_off + 2 * L.WINDOW_RECORD_BYTES + kind_at + 2, 7)  # is_end
+    assert [e.step for e in c.poll_windows()] == [0, 3]
+    assert c.records_corrupt == 2 and c.windows_missed == 0
+    x = np.arange(8, dtype=np.int32)
+    for i in range(4):
+        p.publish_data({"i": i}, {"x": x})
+
+    def slot(seq: int) -> int:
+        return geo.data_off + (seq - 1) % SMALL.data_slots * geo.data_stride
+
+    struct.pack_into("=I", p._mm, slot(1) + 8 + 12, 99)  # n_arrays > MAX_ARRAYS
+    struct.pack_into("=16s", p._mm, slot(2) + L.DESCRIPTORS_AT + 40, b"|O")  # object dtype
+    p._mm[slot(3) + L.DATA_SLOT_HEADER] = ord("[")  # meta no longer a JSON object
+    rec = c.next_data()
+    assert rec is not None and rec.meta == {"i": 3} and np.array_equal(rec.arrays["x"], x)
+    assert c.next_data() is None and c.records_corrupt == 5 and c.data_dropped == 0
+
+
+def test_the_producer_survives_any_back_channel_content(ring: Path) -> None:
+    from spectrain_workloads.ring import layout as L
+
+    layout = RingLayout(window_slots=64, data_slots=2, data_slot_bytes=1 << 12, back_slots=4, back_slot_bytes=8192)
+    p = RingProducer.create(ring, layout)
+    c = RingConsumer.open(ring, timeout_s=0)
+    geo = L.Geometry.of(layout)
+    cap = layout.back_slot_bytes - L.BACK_SLOT_HEADER
+    for body, length in ((b"[" * cap, cap), (b"\xff\xfe", 2), (b"[1, 2]", 6), (b'{"a": 1}', 0xFFFFFFFF),
+                         (b"9" * 5000, 5000)):
+        sent = c.publish_back({})
+        base = geo.back_off + (sent.seq - 1) % layout.back_slots * layout.back_slot_bytes
+        L.BACK_HEAD.pack_into(p._mm, base + 8, 0, length, 0)
+        p._mm[base + L.BACK_SLOT_HEADER:base + L.BACK_SLOT_HEADER + len(body)] = body
+        got = p.latest_back()
+        assert got is None or (isinstance(got.data, dict) and length == 0xFFFFFFFF), (body[:8], got)
+    p._q[L.H_BACK_HEAD >> 3] = (1 << 64) - 1  # any head: reads a slot of the channel, never beyond
+    assert p.latest_back() is None
+    assert c.publish_back({"state": "Active"}).data == {"state": "Active"}
+    c.close()
+    p.close()
+
+
+def test_a_closed_ring_stays_readable_at_its_path(ring: Path) -> None:
+    p = RingProducer.create(ring, SMALL)
+    p.window_start(WindowKind.BUBBLE, stage=0, step=5)
+    p.publish_data({"i": 1}, {"x": np.ones(4)})
+    c = RingConsumer.open(ring, timeout_s=0)
+    p._q[0] = 0  # a scribbled static header: the copy left behind is rewritten from the target's values
+    p.close()
+    assert stat.S_ISREG(ring.lstat().st_mode) and ring.stat().st_mode & 0o777 == 0o600
+    assert c.producer_closed() and c.resyncs == 0  # the same ring under a new inode: no switch
+    late = RingConsumer.open(ring, timeout_s=0, start="oldest")
+    assert [e.step for e in late.poll_windows()] == [5] and late.producer_closed()
+    rec = late.next_data()
+    assert rec is not None and rec.meta == {"i": 1} and late.generation == 1
+    late.close()
+    c.close()
+    assert RingProducer.create(ring, SMALL).generation == 2  # counts on from the closed ring
+
+
+def test_a_ring_dir_too_long_for_a_socket_address_still_works(ring: Path) -> None:
+    deep = ring.parent / ("d" * 100)
+    deep.mkdir()
+    path = ring_path(deep, 0)
+    assert len(str(path)) > 107
+    p = RingProducer.create(path, SMALL)
+    c = RingConsumer.open(path, timeout_s=0)
+    p.window_start(WindowKind.BUBBLE, stage=0, step=1)
+    assert [e.step for e in c.poll_windows()] == [1] and stat.S_ISSOCK(path.lstat().st_mode)
+    p2 = RingProducer.create(path, SMALL)  # the previous ring is reached the same way
+    assert p2.generation == 2 and c.poll_windows() == [] and c.generation == 2
+    c.close()
+    p.close()
+    p2.close()

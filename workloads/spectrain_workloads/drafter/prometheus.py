@@ -38,6 +38,7 @@ _COUNTERS = {
     "exports_rejected": ("exportsRejected", "Candidate exports held back (not finite, or acceptance below the floor)."),
     "exchange_frames_dropped": ("exchangeFramesDropped", "Exchange frames dropped (bandwidth cap, slow peer, full inbox)."),
     "ring_samples_dropped": ("dataDropped", "Samples the ring overwrote before the drafter read them."),
+    "ring_records_corrupt": ("ringRecordsCorrupt", "Complete ring records that did not decode: skipped."),
 }
 # gauge name -> (summary key, help)
 _GAUGES = {

@@ -713,6 +713,7 @@ class Worker:
             **(self.replicas.summary() if self.replicas is not None else self._fleet_summary),
             "dataDropped": getattr(self.consumer, "data_dropped", 0),
             "windowsMissed": getattr(self.consumer, "windows_missed", 0),
+            "ringRecordsCorrupt": getattr(self.consumer, "records_corrupt", 0),
             "mpsActiveThreadPercentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
             "gpu": self.gpu,
             "updatedAt": time.time(),

@@ -1,7 +1,8 @@
 """The shared-memory ring between target (producer) and drafter (consumer): no torch import.
 
-One file per local rank on the memory-backed volume (docs/contracts.md "The ring"; format and the
-memory-ordering argument: docs/ring.md). Channels, each with a single writer:
+One ring per local rank, served by the target at a path on the shared ring volume as a sealed
+memfd (docs/contracts.md "The ring"; format, hand-over and the memory-ordering argument:
+docs/ring.md). Channels, each with a single writer:
 windows (target -> drafter), data (target -> drafter), back (drafter -> target).
 """
 

@@ -4,13 +4,19 @@ Reading never writes anything the producer waits on. Every record between the re
 and the channel head is either returned or counted as missed (windows_missed / data_dropped):
 exact accounting, since a record is missed only when its slot's seq word shows a later record.
 A waiting reader sleeps on the futex word in chunks of at most CHUNK_S, so it re-checks the
-producer's heartbeat and a replaced file even if no record arrives.
+producer's heartbeat and a replaced ring even if no record arrives.
+
+A record whose seq words are consistent but whose body does not decode (unknown window kind,
+data header or descriptors out of bounds, meta that is not a JSON object) is skipped and counted
+in records_corrupt: it never raises, so a corrupt ring cannot crash a drafter again after each
+restart.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +26,7 @@ import numpy as np
 from spectrain_workloads.ring import layout as L
 from spectrain_workloads.ring import sync
 from spectrain_workloads.ring.errors import PayloadTooLarge, ProducerDead, RingError
-from spectrain_workloads.ring.mapping import Mapping, open_file
+from spectrain_workloads.ring.mapping import Mapping, file_identity, open_ring
 from spectrain_workloads.ring.records import KINDS_BY_VALUE, BackMessage, DataRecord, WindowEvent
 
 _Q_STATE = L.H_STATE >> 3
@@ -33,6 +39,11 @@ _I_NOTIFY = L.H_NOTIFY >> 2
 _I_WAITERS = L.H_WAITERS >> 2
 _DESCS_BYTES = L.MAX_ARRAYS * L.DESCRIPTOR.size
 _DECODE = json.JSONDecoder().decode
+_DTYPE_CACHE = 64  # parsed dtypes kept; real records use a handful
+
+
+class _Corrupt(Exception):
+    """A stable record (seq words agree) whose body does not decode."""
 
 
 class RingConsumer:
@@ -48,7 +59,8 @@ class RingConsumer:
         self.spin = spin
         self.windows_missed = 0  # window records overwritten before this reader got to them
         self.data_dropped = 0  # data records overwritten before this reader got to them
-        self.resyncs = 0  # times a restarted producer's new file was picked up
+        self.records_corrupt = 0  # complete records that did not decode: skipped
+        self.resyncs = 0  # times a restarted producer's new ring was picked up
         self._next_resync_check = 0.0
         self._dtypes: dict[bytes, np.dtype[Any]] = {}
         self._attach(mapping, start)
@@ -60,9 +72,9 @@ class RingConsumer:
 
         start="latest" reads only records published after this call (a restarted drafter skips
         stale windows); "oldest" also returns what is still in the ring. After a producer restart
-        the reader always starts at the new file's first record. spin=True busy-polls instead of
+        the reader always starts at the new ring's first record. spin=True busy-polls instead of
         sleeping (lowest latency; costs a core)."""
-        return cls(open_file(Path(path), timeout_s), start=start, spin=spin)
+        return cls(open_ring(Path(path), timeout_s), start=start, spin=spin)
 
     def _attach(self, mapping: Mapping, start: str) -> None:
         self._m = mapping
@@ -129,11 +141,11 @@ class RingConsumer:
                 if q[off >> 3] == want:
                     step, wid, start, predicted, actual, rank, stage, flags, kind, is_end = body
                     kind_e = KINDS_BY_VALUE.get(kind)
-                    if kind_e is None:
-                        raise RingError(f"ring {self.path}: window record {cur} has unknown kind {kind}: the "
-                                        f"file is not written by a matching spectrain producer")
-                    out.append(WindowEvent(cur, kind_e, rank, stage, step, wid, start, predicted, actual, flags,
-                                           bool(is_end)))
+                    if kind_e is None or is_end > 1:
+                        self.records_corrupt += 1
+                    else:
+                        out.append(WindowEvent(cur, kind_e, rank, stage, step, wid, start, predicted, actual,
+                                               flags, bool(is_end)))
                     cur += 1
                     continue
             elif w1 < want:
@@ -180,7 +192,12 @@ class RingConsumer:
             if w1 < want:
                 break
             if w1 == want:
-                rec = self._read_slot(cur, base, want)
+                try:
+                    rec = self._read_slot(base, want)
+                except _Corrupt:
+                    self.records_corrupt += 1
+                    cur += 1
+                    continue
                 if rec is not None:
                     self._dcur = cur + 1
                     return rec
@@ -199,8 +216,9 @@ class RingConsumer:
         """Like next_data, but sleep up to `timeout_s` for a record."""
         return self._wait(self.next_data, timeout_s, spin, raise_if_dead, max_age_s)  # type: ignore[no-any-return]
 
-    def _read_slot(self, seq: int, base: int, want: int) -> DataRecord | None:
-        """Copy the slot's header and meta, build views, re-check the seq word; None if overwritten."""
+    def _read_slot(self, base: int, want: int) -> DataRecord | None:
+        """Copy the slot's header and meta, build views, re-check the seq word; None if overwritten,
+        _Corrupt if stable but not decodable (every field is bounded before use)."""
         mm, q, fence = self._mm, self._q, sync.SEQ_FENCE
         if fence is not None:
             fence()
@@ -212,26 +230,28 @@ class RingConsumer:
             fence()
         if q[base >> 3] != want:
             return None
-        if n_arrays > L.MAX_ARRAYS or used > self._dcap or meta_len > self._dcap:
-            raise RingError(f"ring {self.path}: data record {seq} has a corrupt header (arrays={n_arrays}, "
-                            f"bytes={used}): the file is not written by a spectrain producer")
+        if n_arrays > L.MAX_ARRAYS or used > self._dcap or meta_len > used:
+            raise _Corrupt
         try:
             meta = _DECODE(meta_raw.decode())
+            if not isinstance(meta, dict):
+                raise ValueError("meta is not a JSON object")
             arrays = {}
             ro = self._m.ro_u8
             for k in range(n_arrays):
                 name, dtype_raw, ndim, _, at, nbytes, *shape = L.DESCRIPTOR.unpack_from(descs, k * L.DESCRIPTOR.size)
                 dtype = self._dtypes.get(dtype_raw)
                 if dtype is None:
-                    dtype = self._dtypes[dtype_raw] = np.dtype(dtype_raw.rstrip(b"\0").decode())
-                if at + nbytes > used:
-                    raise ValueError(f"array at {at}+{nbytes} beyond the record's {used} bytes")
+                    dtype = np.dtype(dtype_raw.rstrip(b"\0").decode())
+                    if len(self._dtypes) < _DTYPE_CACHE:  # scribbled descriptors must not grow it
+                        self._dtypes[dtype_raw] = dtype
+                if at + nbytes > used or ndim > L.MAX_NDIM or dtype.hasobject:
+                    raise ValueError(f"array at {at}+{nbytes}, ndim {ndim}, dtype {dtype} out of bounds")
                 start = payload + at
                 arrays[name.rstrip(b"\0").decode()] = ro[start:start + nbytes].view(dtype).reshape(shape[:ndim])
-        except (ValueError, TypeError) as exc:
-            raise RingError(f"ring {self.path}: data record {seq} does not decode ({exc}): the file is not "
-                            f"written by a matching spectrain producer") from exc
-        return DataRecord(seq, meta, arrays, publish_ns, self._m, base >> 3, want)
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise _Corrupt from exc
+        return DataRecord(want >> 1, meta, arrays, publish_ns, self._m, base >> 3, want)
 
     # -- back channel -------------------------------------------------------------------------
     def publish_back(self, data: dict[str, Any]) -> BackMessage:
@@ -303,13 +323,22 @@ class RingConsumer:
                     self._resync()
 
     def _resync(self) -> bool:
-        """Switch to the file now at the path. Records of the old file this reader has not read are
-        counted as missed/dropped (poll_windows and next_data drain their channel before switching)."""
+        """Switch to the ring now at the path. Records of the old ring this reader has not read are
+        counted as missed/dropped (poll_windows and next_data drain their channel before switching).
+        The same ring under a new inode (its producer closed and left a copy) is not a switch."""
         try:
-            new = open_file(self._m.path, 0)
+            st = os.lstat(self._m.path)
+        except OSError:
+            return False
+        if stat.S_ISREG(st.st_mode) and file_identity(self._m.path) == self._m.identity:
+            self._m.inode = (st.st_dev, st.st_ino)
+            return False
+        try:
+            new = open_ring(self._m.path, 0)
         except RingError:
-            return False  # not there yet (or unusable): keep the old file, retry on the next call
-        if new.inode == self._m.inode:
+            return False  # not there yet (or unusable): keep the old ring, retry on the next call
+        if new.identity == self._m.identity:
+            self._m.inode = new.inode
             new.close()
             return False
         q, old = self._q, self._m

@@ -1,22 +1,34 @@
-"""Creating, validating and mapping ring files.
+"""Creating, serving, validating and mapping rings.
 
-A producer never initialises a file in place: it builds `.<name>.<pid>.tmp` next to the ring
-(mode 0600, space reserved with posix_fallocate so a full tmpfs fails here and not as SIGBUS
-mid-publish), then renames it over the ring. A reader therefore sees either the previous file or
-a complete new one. The previous file is marked SUPERSEDED and its sleepers are woken, so
-readers that still map it reopen the path and resync on their own. Shrinking or rewriting a file
-that another process maps would be unsafe (SIGBUS, torn headers); replacing it is not.
+The target owns the memory: a sealed memfd (MFD_ALLOW_SEALING, then F_SEAL_SHRINK | F_SEAL_GROW |
+F_SEAL_SEAL), so no process holding it can change its size, and the target's stores can never
+fault (a shrunk tmpfs file would SIGBUS them). The ring path is a Unix socket (SOCK_SEQPACKET)
+through which a daemon thread of the target hands the fd out: one message per connection, the
+4096-byte header built from the target's own values (never from the shared memory) with the fd
+as SCM_RIGHTS. The connection stays open until the target closes or dies.
+
+A producer never replaces the path in place: it binds `.<name>.<pid>.tmp`, chmods it 0600, then
+renames it over the path, so a reader sees either the previous ring or a complete new one. The
+previous ring, if its target still answers, is marked SUPERSEDED and its sleepers are woken; a
+dead one is found by readers through the path's inode. On close, the producer renames a copy of
+its ring (state CLOSED) over its socket: a reader that comes later (a drafter restart, a test)
+still gets everything published, from a regular file it reads into private memory.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
+import selectors
+import socket
 import stat
 import sys
+import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -26,21 +38,35 @@ from spectrain_workloads.ring import sync
 from spectrain_workloads.ring.errors import RingError, RingVersionError
 
 _FIX_RECREATE = "delete it and (re)start the target on this rank, which creates the ring"
+SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes including the terminating NUL
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+MAX_CONNECTIONS = 16  # open hand-over connections the target keeps; the oldest is closed beyond
+HANDOVER_TIMEOUT_S = 5.0  # connect -> header + fd; the target's thread answers in microseconds
+_GENERATION_MAX = 0xFFFFFFFF  # window ids keep the generation's low 32 bits
+# The header's parts that only the target writes, once: STATIC (up to the state word) and PARAMS.
+_STATIC_RANGES = ((0, L.H_STATE), (L.PARAMS_AT, L.PARAMS_AT + L.PARAMS.size))
+# (dev, ino) of what is at the path; (generation, creator pid, created ns) of the ring itself.
+Inode = tuple[int, int]
+Identity = tuple[int, int, int]
 
 
 class Mapping:
-    """One mapped ring file: word views over it, its geometry and identity."""
+    """One mapped ring: word views over it, its geometry and identity. `mm` is the memfd's shared
+    mapping, or a private copy of a closed ring's file. `conn` (readers of a live ring) is the
+    hand-over connection, held with the mapping: the target drops it when this reader closes, and
+    it reads EOF once the target is gone (the heartbeat stays the liveness signal)."""
 
-    def __init__(self, path: Path, fd: int, geometry: L.Geometry, *, generation: int, rank: int,
-                 creator_pid: int) -> None:
+    def __init__(self, path: Path, mm: mmap.mmap, geometry: L.Geometry, *, generation: int, rank: int,
+                 creator_pid: int, created_ns: int, inode: Inode, conn: socket.socket | None = None) -> None:
         self.path = path
         self.geometry = geometry
         self.generation = generation
         self.rank = rank
         self.creator_pid = creator_pid
-        st = os.fstat(fd)
-        self.inode = (st.st_dev, st.st_ino)
-        self.mm = mmap.mmap(fd, geometry.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.identity: Identity = (generation, creator_pid, created_ns)
+        self.inode = inode
+        self.conn = conn
+        self.mm = mm
         # Item access on these compiles to one aligned load/store per word (see sync.py).
         self.q = memoryview(self.mm).cast("Q")
         self.u32 = memoryview(self.mm).cast("I")
@@ -53,7 +79,7 @@ class Mapping:
         self.closed = False
 
     def mark_superseded(self) -> None:
-        """Tell readers of this (old) file that a new one replaced it, and wake them now."""
+        """Tell readers of this (old) ring that a new one replaced it, and wake them now."""
         self.q[L.H_STATE >> 3] = L.STATE_SUPERSEDED
         i = L.H_NOTIFY >> 2
         self.u32[i] = (self.u32[i] + 1) & 0xFFFFFFFF
@@ -66,6 +92,8 @@ class Mapping:
         if self.closed:
             return
         self.closed = True
+        if self.conn is not None:
+            self.conn.close()
         del self._anchor
         self.u8 = self.ro_u8 = None  # type: ignore[assignment]
         try:
@@ -76,78 +104,260 @@ class Mapping:
             pass  # a caller still holds a view: the mapping goes away with the last of them
 
 
-def _clean_stale_temps(path: Path) -> None:
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):
-        stale.unlink(missing_ok=True)
+class _Address:
+    """A socket address for `path` that fits sun_path: the path itself, or, for a long directory,
+    /proc/self/fd/<dir fd>/<name>, which the kernel resolves to the same directory entry (an
+    abstract address would not cross containers: they share a volume, not a namespace)."""
+
+    def __init__(self, path: Path) -> None:
+        self._dir_fd = -1
+        self.addr = str(path)
+        if len(os.fsencode(self.addr)) > SUN_PATH_MAX:
+            try:
+                self._dir_fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise RingError(f"ring directory {path.parent} cannot be opened ({exc.strerror})") from exc
+            self.addr = f"/proc/self/fd/{self._dir_fd}/{path.name}"
+            if len(os.fsencode(self.addr)) > SUN_PATH_MAX or not os.path.isdir(f"/proc/self/fd/{self._dir_fd}"):
+                self.close()
+                raise RingError(f"ring path {path} is {len(os.fsencode(str(path)))} bytes, longer than a Unix "
+                                f"socket address may be ({SUN_PATH_MAX} bytes), and /proc/self/fd cannot shorten "
+                                f"it: use a shorter SPECTRAIN_RING_DIR")
+
+    def close(self) -> None:
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
+    def __enter__(self) -> str:
+        return self.addr
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def _previous(path: Path) -> tuple[int, Mapping | None]:
-    """Generation of the file now at `path` (0 if none or foreign) and a mapping of it when it is
-    a valid ring of this layout version (to mark it SUPERSEDED)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return 0, None
-    try:
-        head = os.pread(fd, L.HEADER_BYTES, 0)
-        if len(head) < 24 or head[:8] != L.MAGIC:
-            return 0, None
-        generation = int.from_bytes(head[L.H_GENERATION:L.H_GENERATION + 8], sys.byteorder)
+class _Server:
+    """Hands the memfd to whoever connects to the ring path (daemon thread). It never reads what
+    a client sends; a client that speaks or hangs up is dropped. Nothing here can raise into the
+    target: a failed accept or send only loses that one connection."""
+
+    def __init__(self, listener: socket.socket, memfd: int, hello: bytes, name: str) -> None:
+        self._listener, self._memfd, self._hello = listener, memfd, hello
+        self._conns: deque[socket.socket] = deque()
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(listener, selectors.EVENT_READ)
+        self._sel.register(self._stop_r, selectors.EVENT_READ)
+        self.inode: Inode = (0, 0)
+        self._thread = threading.Thread(target=self._run, name=f"spectrain-ring-server-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            for key, _ in self._sel.select():
+                if key.fileobj == self._stop_r:
+                    return
+                if key.fileobj is self._listener:
+                    self._accept()
+                else:
+                    self._drop(key.fileobj)  # type: ignore[arg-type]
+
+    def _accept(self) -> None:
         try:
-            return generation, _validated(path, fd, head)
-        except RingError:
-            return generation, None
-    finally:
-        os.close(fd)
-
-
-def create_file(path: Path, layout: L.RingLayout, rank: int) -> Mapping:
-    """Write a fresh READY ring at `path` (generation = previous + 1) and return its mapping."""
-    if not path.parent.is_dir():
-        raise RingError(f"ring directory {path.parent} does not exist: mount the memory-backed ring volume "
-                        f"there (SPECTRAIN_RING_DIR) or create the directory")
-    geo = L.Geometry.of(layout)
-    old_generation, old = _previous(path)
-    _clean_stale_temps(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # the umask can only narrow, but be explicit: the ring is private
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
         try:
-            os.posix_fallocate(fd, 0, geo.total)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise RingError(f"ring {path} needs {geo.total} bytes but {path.parent} has less free: raise "
-                                f"spec.ring.sizeLimit or shrink RingLayout (data_slots x data_slot_bytes)") from exc
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            os.ftruncate(fd, geo.total)
-        m = Mapping(path, fd, geo, generation=old_generation + 1, rank=rank, creator_pid=os.getpid())
-        now = time.monotonic_ns()
-        L.STATIC.pack_into(m.mm, 0, L.MAGIC, L.LAYOUT_VERSION, L.HEADER_BYTES, m.generation, os.getpid(), now,
-                           geo.total, rank)
-        L.PARAMS.pack_into(m.mm, L.PARAMS_AT, *geo.params())
-        m.q[L.H_HEARTBEAT >> 3] = now
-        sync.FULL_FENCE()
-        m.q[L.H_STATE >> 3] = L.STATE_READY
+            conn.setblocking(False)  # one small message into an empty socket buffer: never waits
+            socket.send_fds(conn, [self._hello], [self._memfd])
+        except OSError:
+            conn.close()
+            return
+        self._conns.append(conn)
+        self._sel.register(conn, selectors.EVENT_READ)
+        if len(self._conns) > MAX_CONNECTIONS:
+            self._drop(self._conns[0])
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._sel.unregister(conn)
+        self._conns.remove(conn)
+        conn.close()
+
+    def close(self) -> None:
+        os.write(self._stop_w, b"x")
+        self._thread.join()
+        for conn in self._conns:
+            conn.close()
+        self._sel.close()
+        self._listener.close()
+        os.close(self._stop_r)
+        os.close(self._stop_w)
+
+
+class Ring:
+    """The producer's side of one ring: the memfd, its mapping and the socket serving it."""
+
+    def __init__(self, path: Path, memfd: int, mapping: Mapping, server: _Server, hello: bytes) -> None:
+        self.path, self.memfd, self.mapping, self.server, self.hello = path, memfd, mapping, server, hello
+
+    def close(self) -> None:
+        """Stop serving; leave a copy of the (closed) ring at the path if the path is still ours."""
+        self.server.close()
+        try:
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self.server.inode:
+                _write_snapshot(self.path, self.mapping, self.hello)
+        except OSError:
+            pass  # the directory went away or is full: nothing left to hand to late readers
+        self.mapping.close()
+        os.close(self.memfd)
+
+
+def _write_snapshot(path: Path, m: Mapping, hello: bytes) -> None:
+    """Copy the ring into a regular file at `path` (tmp + rename over the socket). The static
+    header is rewritten from the target's own values: the shared copy may have been scribbled on."""
+    tmp = _tmp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        view = memoryview(m.mm)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], done)
+        finally:
+            view.release()
+        for lo, hi in _STATIC_RANGES:
+            os.pwrite(fd, hello[lo:hi], lo)
         os.rename(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     finally:
         os.close(fd)
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def _clean_stale_temps(path: Path) -> None:
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        stale.unlink(missing_ok=True)
+
+
+def _bounded_generation(value: int) -> int:
+    """A generation read from something another process could have written: used only if sane."""
+    return value if 0 < value < _GENERATION_MAX else 0
+
+
+def _previous(path: Path) -> tuple[int, Mapping | None]:
+    """Generation of the ring now at `path` (0 if none, foreign or unknown) and, when its target
+    still serves it, a mapping of it (to mark it SUPERSEDED)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0, None
+    if stat.S_ISSOCK(st.st_mode):
+        try:
+            m = _receive(path, (st.st_dev, st.st_ino), timeout_s=HANDOVER_TIMEOUT_S)
+        except (OSError, RingError):
+            # Its target died without closing: its generation died with it. The wall clock in
+            # seconds (< 2**32 until 2106) stays above every generation reached by +1 steps.
+            return int(time.time()), None
+        return m.generation, m
+    if not stat.S_ISREG(st.st_mode):
+        return 0, None
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError:
+        return 0, None
+    if len(head) < 24 or head[:8] != L.MAGIC:
+        return 0, None
+    return _bounded_generation(int.from_bytes(head[L.H_GENERATION:L.H_GENERATION + 8], sys.byteorder)), None
+
+
+def _header(geo: L.Geometry, generation: int, rank: int, created_ns: int) -> bytes:
+    """The static header (HEADER_BYTES, state READY) as the target writes and sends it."""
+    head = bytearray(L.HEADER_BYTES)
+    L.STATIC.pack_into(head, 0, L.MAGIC, L.LAYOUT_VERSION, L.HEADER_BYTES, generation, os.getpid(), created_ns,
+                       geo.total, rank)
+    L.PARAMS.pack_into(head, L.PARAMS_AT, *geo.params())
+    head[L.H_STATE:L.H_STATE + 8] = L.STATE_READY.to_bytes(8, sys.byteorder)
+    return bytes(head)
+
+
+def create_ring(path: Path, layout: L.RingLayout, rank: int) -> Ring:
+    """Create a fresh READY ring (generation = previous + 1), serve it at `path`, return it."""
+    if not path.parent.is_dir():
+        raise RingError(f"ring directory {path.parent} does not exist: mount the memory-backed ring volume "
+                        f"there (SPECTRAIN_RING_DIR) or create the directory")
+    geo = L.Geometry.of(layout)
+    old_generation, old = _previous(path)
+    generation = old_generation + 1 if old_generation < _GENERATION_MAX else 1
+    _clean_stale_temps(path)
+    memfd = os.memfd_create(f"spectrain-{path.name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        try:
+            # Reserve the pages now: a memory limit is hit here, not as a fault mid-publish.
+            os.posix_fallocate(memfd, 0, geo.total)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise RingError(f"ring {path} needs {geo.total} bytes of memory and cannot get them: raise the "
+                                f"target container's memory limit or shrink RingLayout (data_slots x "
+                                f"data_slot_bytes)") from exc
+            raise
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, SEALS)
+        now = time.monotonic_ns()
+        hello = _header(geo, generation, rank, now)
+        mm = mmap.mmap(memfd, geo.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        for lo, hi in _STATIC_RANGES:
+            mm[lo:hi] = hello[lo:hi]
+        m = Mapping(path, mm, geo, generation=generation, rank=rank, creator_pid=os.getpid(), created_ns=now,
+                    inode=(0, 0))
+        m.q[L.H_HEARTBEAT >> 3] = now
+        sync.FULL_FENCE()
+        m.q[L.H_STATE >> 3] = L.STATE_READY
+        server = _serve(path, memfd, hello)
+    except BaseException:
+        os.close(memfd)
+        raise
     if old is not None:
         old.mark_superseded()
         old.close()
-    return m
+    m.inode = server.inode
+    return Ring(path, memfd, m, server, hello)
 
 
-def _validated(path: Path, fd: int, head: bytes) -> Mapping:
-    st = os.fstat(fd)
+def _serve(path: Path, memfd: int, hello: bytes) -> _Server:
+    tmp = _tmp_name(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        with _Address(tmp) as addr:
+            listener.bind(addr)
+        try:
+            os.chmod(tmp, 0o600)  # bind honours the umask; the ring is private either way
+            st = os.lstat(tmp)
+            listener.listen(MAX_CONNECTIONS)
+            server = _Server(listener, memfd, hello, path.name)
+            server.inode = (st.st_dev, st.st_ino)
+            os.rename(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    except BaseException:
+        listener.close()
+        raise
+    return server
+
+
+def _parse(path: Path, head: bytes, size: int) -> tuple[L.Geometry, int, int, int, int]:
+    """Validate a header (+ the size of what it describes): geometry, generation, rank, pid, created."""
     if len(head) < L.HEADER_BYTES:
-        raise RingError(f"ring {path} is truncated ({st.st_size} bytes, shorter than the {L.HEADER_BYTES}-byte "
+        raise RingError(f"ring {path} is truncated ({size} bytes, shorter than the {L.HEADER_BYTES}-byte "
                         f"header): {_FIX_RECREATE}")
-    magic, version, header_bytes, generation, pid, _created, total, rank = L.STATIC.unpack_from(head, 0)
+    magic, version, header_bytes, generation, pid, created, total, rank = L.STATIC.unpack_from(head, 0)
     if magic != L.MAGIC:
         raise RingError(f"{path} is not a spectrain ring file (starts with {magic!r}, expected {L.MAGIC!r}): "
                         f"point SPECTRAIN_RING_DIR at the ring volume, or {_FIX_RECREATE}")
@@ -161,28 +371,111 @@ def _validated(path: Path, fd: int, head: bytes) -> Mapping:
         geo = L.Geometry.from_params(L.PARAMS.unpack_from(head, L.PARAMS_AT))
     except ValueError as exc:  # ConfigError is a ValueError
         raise RingError(f"ring {path} has a corrupt header ({exc}): {_FIX_RECREATE}") from exc
-    if total != geo.total or st.st_size < geo.total:
-        raise RingError(f"ring {path} is truncated ({st.st_size} bytes, its header says {geo.total}): "
+    if total != geo.total or size < geo.total:
+        raise RingError(f"ring {path} is truncated ({size} bytes, its header says {geo.total}): "
                         f"{_FIX_RECREATE}")
     state = int.from_bytes(head[L.H_STATE:L.H_STATE + 8], sys.byteorder)
     if state == L.STATE_INIT:
         raise RingError(f"ring {path} was never completely initialised: {_FIX_RECREATE}")
-    return Mapping(path, fd, geo, generation=generation, rank=rank, creator_pid=pid)
+    return geo, generation, rank, pid, created
 
 
-def open_file(path: Path, timeout_s: float) -> Mapping:
-    """Map the ring at `path`, waiting up to `timeout_s` for it to appear; RingError otherwise."""
+def _receive(path: Path, inode: Inode, timeout_s: float) -> Mapping:
+    """Connect to the target serving `path`, receive header + memfd, map it. OSError when nobody
+    listens (ECONNREFUSED: its target is gone) or the path went away."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout_s)
+        with _Address(path) as addr:
+            sock.connect(addr)
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, L.HEADER_BYTES, 1)
+        except TimeoutError:
+            raise RingError(f"ring {path}: the target accepted but sent no ring within {timeout_s:g}s: it is "
+                            f"stuck; restart it") from None
+        if not fds:
+            raise RingError(f"ring {path}: the socket's server sent no ring ({len(msg)} bytes): it is not a "
+                            f"spectrain target; {_FIX_RECREATE}")
+        fd = fds[0]
+        try:
+            size = os.fstat(fd).st_size
+            geo, generation, rank, pid, created = _parse(path, msg, size)
+            # Sealed against resizing, so nobody can make this process's accesses fault either.
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+                raise RingError(f"ring {path}: the memory received is not sealed against resizing: it is not "
+                                f"a spectrain target's ring; {_FIX_RECREATE}")
+            mm = mmap.mmap(fd, geo.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            for extra in fds:
+                os.close(extra)
+        sock.setblocking(True)
+        return Mapping(path, mm, geo, generation=generation, rank=rank, creator_pid=pid, created_ns=created,
+                       inode=inode, conn=sock)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _read_file(path: Path, inode: Inode) -> Mapping:
+    """A closed ring left as a file: copied into private memory (it has no writer any more, and a
+    private copy cannot fault whatever happens to the file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        geo, generation, rank, pid, created = _parse(path, os.pread(fd, L.HEADER_BYTES, 0), size)
+        mm = mmap.mmap(-1, geo.total)
+        view, got = memoryview(mm), 0
+        try:
+            while got < geo.total and (n := os.preadv(fd, [view[got:]], got)) > 0:
+                got += n
+        finally:
+            view.release()
+        if got < geo.total:
+            mm.close()
+            raise RingError(f"ring {path} is truncated ({got} bytes, its header says {geo.total}): {_FIX_RECREATE}")
+    finally:
+        os.close(fd)
+    return Mapping(path, mm, geo, generation=generation, rank=rank, creator_pid=pid, created_ns=created, inode=inode)
+
+
+def file_identity(path: Path) -> Identity | None:
+    """The identity in the header of a ring file at `path` (None for a socket or a non-ring), so a
+    reader can tell its own ring's closed copy from a new ring without reading the whole file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        head = os.pread(fd, L.STATIC.size, 0)
+    finally:
+        os.close(fd)
+    if len(head) < L.STATIC.size:
+        return None
+    magic, _, _, generation, pid, created, _, _ = L.STATIC.unpack_from(head, 0)
+    return (generation, pid, created) if magic == L.MAGIC else None
+
+
+def open_ring(path: Path, timeout_s: float) -> Mapping:
+    """Map the ring at `path`, waiting up to `timeout_s` for a target to serve it; RingError otherwise."""
     deadline = time.monotonic() + max(0.0, timeout_s)
+    refused = False
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-            break
-        except FileNotFoundError:
+            st = os.lstat(path)
+            inode = (st.st_dev, st.st_ino)
+            if stat.S_ISSOCK(st.st_mode):
+                return _receive(path, inode, HANDOVER_TIMEOUT_S)
+            if stat.S_ISREG(st.st_mode):
+                return _read_file(path, inode)
+            raise RingError(f"ring {path} is neither a target's socket nor a ring file: {_FIX_RECREATE}")
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            refused = isinstance(exc, ConnectionRefusedError)
             if time.monotonic() >= deadline:
-                raise RingError(f"ring {path} does not exist (waited {timeout_s:g}s): the target on this rank "
-                                f"creates it; check it runs and that both containers mount the same "
+                why = ("is a socket nobody serves: its target died" if refused else "does not exist")
+                raise RingError(f"ring {path} {why} (waited {timeout_s:g}s): the target on this rank creates "
+                                f"it; check it runs and that both containers mount the same "
                                 f"SPECTRAIN_RING_DIR") from None
-            time.sleep(0.01)  # the file appears by an atomic rename; poll its name until the deadline
+            time.sleep(0.01)  # a new ring appears by an atomic rename; poll the name until the deadline
         except PermissionError as exc:
             try:
                 st = os.stat(path)
@@ -193,9 +486,4 @@ def open_file(path: Path, timeout_s: float) -> Mapping:
                             f"{os.getuid()}): run the drafter as the target's user (same runAsUser)") from exc
         except OSError as exc:
             raise RingError(f"ring {path} cannot be opened ({exc.strerror}): {_FIX_RECREATE}") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RingError(f"ring {path} is not a regular file: {_FIX_RECREATE}")
-        return _validated(path, fd, os.pread(fd, L.HEADER_BYTES, 0))
-    finally:
-        os.close(fd)
+

@@ -4,6 +4,12 @@ Publishing writes the slot (seqlock, see sync.py), advances the channel head, re
 heartbeat and bumps the futex word. It issues a FUTEX_WAKE syscall only when a reader has set the
 waiter flag, and clears the flag with it, so a reader that died while waiting costs at most one
 syscall. The cost does not depend on readers in any other way: there is nothing to wait for.
+
+The drafter can write every byte of the ring. The producer keeps its own cursors and reads only
+two things a reader writes: the waiter flag (any value at most costs one wake per publish) and
+the back channel, whose head, slot and length are bounded and whose JSON may be anything
+(latest_back returns a dict or None, never raises). It never faults: the memory is sealed
+against resizing (mapping.py).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import numpy as np
 from spectrain_workloads.ring import layout as L
 from spectrain_workloads.ring import sync
 from spectrain_workloads.ring.errors import PayloadTooLarge, RingError
-from spectrain_workloads.ring.mapping import Mapping, create_file
+from spectrain_workloads.ring.mapping import Ring, create_ring
 from spectrain_workloads.ring.records import KINDS_BY_VALUE, BackMessage, WindowKind
 
 _Q_HEARTBEAT = L.H_HEARTBEAT >> 3
@@ -65,8 +71,9 @@ class RingProducer:
     single writer thread, but the window and the data channel may be published from two different
     threads without a lock. A daemon thread refreshes the heartbeat."""
 
-    def __init__(self, mapping: Mapping, heartbeat_interval_s: float) -> None:
-        self._m = mapping
+    def __init__(self, ring: Ring, heartbeat_interval_s: float) -> None:
+        self._ring = ring
+        self._m = mapping = ring.mapping
         geo = mapping.geometry
         self.layout = geo.layout
         self._mm, self._q, self._u32 = mapping.mm, mapping.q, mapping.u32
@@ -96,7 +103,7 @@ class RingProducer:
         if not 0 < heartbeat_interval_s <= 0.5:
             raise ValueError(f"heartbeat_interval_s must be in (0, 0.5] so readers see a live producer within "
                              f"their 1 s limit, got {heartbeat_interval_s}")
-        return cls(create_file(Path(path), layout or L.RingLayout(), int(rank)), heartbeat_interval_s)
+        return cls(create_ring(Path(path), layout or L.RingLayout(), int(rank)), heartbeat_interval_s)
 
     # -- identity / counters ------------------------------------------------------------------
     @property
@@ -240,7 +247,7 @@ class RingProducer:
     # -- back channel -------------------------------------------------------------------------
     def latest_back(self) -> BackMessage | None:
         """The newest drafter message, or None if there is none (never blocks, never raises on
-        what the drafter wrote: a message that does not parse is skipped)."""
+        what the drafter wrote: a message that is not a JSON object is skipped)."""
         q, mm, fence = self._q, self._mm, sync.SEQ_FENCE
         for _ in range(4):  # retry only if the drafter rewrote the slot while we copied it
             head = q[_Q_BACK_HEAD]
@@ -256,14 +263,17 @@ class RingProducer:
             if fence is not None:
                 fence()
             sent_ns, length, pid = L.BACK_HEAD.unpack_from(mm, base + 8)
-            raw = mm[base + L.BACK_SLOT_HEADER:base + L.BACK_SLOT_HEADER + min(length, self._bsize)]
+            body = base + L.BACK_SLOT_HEADER
+            raw = mm[body:body + min(length, self._bsize - L.BACK_SLOT_HEADER)]
             if fence is not None:
                 fence()
             if q[base >> 3] != w1:
                 continue
             try:
                 data = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON / not UTF-8 / nested too deep
+                return None
+            if not isinstance(data, dict):
                 return None
             self._back_cache = BackMessage(seq=head, sent_ns=sent_ns, sender_pid=pid, data=data)
             return self._back_cache
@@ -308,7 +318,7 @@ class RingProducer:
         if self._q[_Q_STATE] == L.STATE_READY:
             self._q[_Q_STATE] = L.STATE_CLOSED
             self._notify_readers()
-        self._m.close()
+        self._ring.close()
 
     def __enter__(self) -> RingProducer:
         return self
