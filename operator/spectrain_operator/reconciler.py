@@ -22,7 +22,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -30,14 +29,8 @@ from typing import Any
 from spectrain_operator import builders, gpu_sharing, metrics, scheduling
 from spectrain_operator import spec as specmod
 from spectrain_operator import status as statusmod
-from spectrain_operator.kube import (
-    DRA_API_VERSION,
-    Kube,
-    OwnerConflict,
-    RejectedError,
-    TransientError,
-    UnverifiedConflict,
-)
+from spectrain_operator.children import FLEET_KEY_UID_FIELD, Children
+from spectrain_operator.kube import DRA_API_VERSION, Kube, RejectedError, TransientError
 from spectrain_operator.ratelimit import REQUEUE_BASE_S, REQUEUE_CAP_S, Backoff
 from spectrain_operator.timers import Key, Timers
 from spectrain_workloads.contract import ANNOTATION_DRAFTER_DISABLED
@@ -46,7 +39,6 @@ Obj = dict[str, Any]
 log = logging.getLogger("spectrain.reconciler")
 
 _VALIDATION_CACHE_MAX = 4096
-_CREATE_WORKERS = 16
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -70,10 +62,6 @@ RESYNC_SECONDS = env_seconds("SPECTRAIN_RESYNC_SECONDS", 30.0)
 # pods are bound and started in a burst, and a pass per change would list all its pods each time
 # (bench-operator_scale, docs/benchmarks.md).
 POD_EVENT_DELAY_S = env_seconds("SPECTRAIN_POD_EVENT_DELAY_SECONDS", 0.5)
-# The status field recording the UID of the fleet-key Secret this operator created for the job: the
-# operator may not read Secrets, so a 409 on that Secret is ours only when this UID was recorded.
-FLEET_KEY_UID_FIELD = "fleetKeyUID"
-FLEET_KEY_RECORD_ATTEMPTS = 12
 # How long an answer "the server does not serve resource.k8s.io/v1" is trusted (one served is
 # trusted for good): a cluster upgraded under a running operator is noticed within this.
 _API_ABSENT_TTL_S = 60.0
@@ -104,7 +92,7 @@ class Reconciler:
         self.gate: Callable[[], bool] = lambda: True
         # Creates of one pass go out concurrently (one round trip for the children, one for the
         # pods, instead of one per object): a burst of new jobs is bound by API latency.
-        self._pool = ThreadPoolExecutor(_CREATE_WORKERS, thread_name_prefix="spectrain-create")
+        self.children = Children(kube)
         self._timers = Timers(self._fire)
 
     @property
@@ -197,7 +185,7 @@ class Reconciler:
 
     def close(self) -> None:
         self.closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.children.close()
         self._timers.close()
 
     # ------------------------------------------------------------ one pass
@@ -309,57 +297,17 @@ class Reconciler:
             # bytes are fresh on every such pass, but create-or-get keeps the first Secret: one key
             # per job, never rotated while the job lives.
             key = secrets.token_bytes(builders.FLEET_KEY_BYTES)
-            created, error = self._create_all([*builders.children(job, fleet_key=key), *extras], job)
+            created, error = self.children.create_all([*builders.children(job, fleet_key=key), *extras], job)
             # Recorded even when another child failed: the next pass will meet this Secret as a 409.
-            self._record_fleet_key(job, created)
+            self.children.record_fleet_key(job, created)
             if error is not None:
                 raise error
-            _, error = self._create_all(pod_objs, job)
+            _, error = self.children.create_all(pod_objs, job)
             if error is not None:
                 raise error
         except (ValueError, RejectedError) as exc:  # a builder refusing the spec, or the API server refusing a child
             return statusmod.decide(job, pods, now, [str(exc)])
         return plan
-
-    def _create_all(self, objs: list[Obj], job: Obj) -> tuple[list[Obj], BaseException | None]:
-        """Create-or-get every object concurrently; (those newly created, the first error once all
-        are done, a refusal before a transient error)."""
-        futures = [self._pool.submit(self._create_one, obj, job) for obj in objs]
-        errors = [exc for f in futures if (exc := f.exception()) is not None]
-        rejected = [e for e in errors if isinstance(e, RejectedError)]
-        created = [c for f in futures if f.exception() is None and (c := f.result()) is not None]
-        return created, (rejected or errors or [None])[0]
-
-    def _create_one(self, obj: Obj, job: Obj) -> Obj | None:
-        try:
-            return self.kube.create(obj)
-        except UnverifiedConflict:
-            # The fleet-key Secret exists and the operator cannot read it: it is the job's own only if
-            # the job's status recorded the UID of the one this operator created (_record_fleet_key).
-            # Anyone who may create Secrets in the namespace could otherwise plant a key of their choosing.
-            status = job.get("status")
-            if isinstance(status, dict) and _fleet_key_recorded(status):
-                return None
-            raise OwnerConflict(obj, ["unknown: the operator may not read Secrets; this job never recorded "
-                                      "creating it (status." + FLEET_KEY_UID_FIELD + ")"]) from None
-
-    def _record_fleet_key(self, job: Obj, created: list[Obj]) -> None:
-        """Write the UID of a fleet-key Secret just created into the job's status before any pod that
-        mounts it exists (a pass failing in between leaves an orphan the garbage collector removes
-        with the job, and the next pass makes a new one)."""
-        uid = next((str(c["metadata"]["uid"]) for c in created
-                    if c.get("kind") == "Secret" and c["metadata"].get("name") == builders.fleet_key_name(job)
-                    and c["metadata"].get("uid")), None)
-        if uid is None:
-            return
-        meta = job["metadata"]
-        # More tries than a plain request: losing this record would make the job's own Secret look
-        # foreign to the next pass (the write is an idempotent merge patch).
-        self.kube.patch_status(meta["namespace"], meta["name"], {FLEET_KEY_UID_FIELD: uid},
-                               attempts=FLEET_KEY_RECORD_ATTEMPTS)
-        if not isinstance(job.get("status"), dict):
-            job["status"] = {}
-        job["status"][FLEET_KEY_UID_FIELD] = uid
 
     def _finish_invalid(self, job: Obj, errors: list[str]) -> statusmod.Plan | None:
         """A spec that is not even structurally usable for decide(): report it and stop."""
@@ -411,14 +359,6 @@ class Reconciler:
         for event in events:
             log.info("%s/%s %s: %s", meta["namespace"], meta["name"], event.reason, event.message[:200])
             self.kube.post_event(job, event)
-
-
-def _fleet_key_recorded(status: Obj) -> bool:
-    """Whether the job's status shows the operator created its fleet-key Secret: the recorded UID,
-    or (jobs from operator versions before the record) pods created once, which only ever happens
-    after the Secret was created."""
-    return bool(status.get(FLEET_KEY_UID_FIELD) or status.get("podsCreated") is True
-                or status.get("startTime") or int(status.get("restarts") or 0) > 0)
 
 
 def _pruned(value: Any) -> Any:

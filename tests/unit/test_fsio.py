@@ -52,7 +52,7 @@ def test_atomic_dir_replaces_a_directory_whole(tmp_path: Path) -> None:
 
 # The ring publishes its file by its own protocol (a producer binds a private name, then renames);
 # an HF export's stages write shards into one shared staging dir that the last stage renames.
-OWN_PROTOCOL = {"workloads/spectrain_workloads/ring/mapping.py", "workloads/spectrain_workloads/hf/save.py"}
+OWN_PROTOCOL = {"workloads/spectrain_workloads/ring/handover.py", "workloads/spectrain_workloads/hf/save.py"}
 
 
 def test_fsio_is_the_one_write_then_rename() -> None:

@@ -399,7 +399,7 @@ def test_ring_memory_is_sealed_and_the_path_cannot_be_truncated(pair: tuple[Ring
 def test_an_unsealed_ring_is_refused(ring: Path) -> None:
     """A server at the path that hands out memory it could still shrink is not a spectrain target."""
     from spectrain_workloads.ring import layout as L
-    from spectrain_workloads.ring.mapping import _header
+    from spectrain_workloads.ring.mapping import build_header
 
     geo = L.Geometry.of(SMALL)
     fd = os.memfd_create("unsealed")
@@ -410,7 +410,7 @@ def test_an_unsealed_ring_is_refused(ring: Path) -> None:
 
     def serve() -> None:
         conn, _ = listener.accept()
-        socket.send_fds(conn, [_header(geo, 1, 0, 0)], [fd])
+        socket.send_fds(conn, [build_header(geo, 1, 0, 0)], [fd])
         conn.close()
 
     t = threading.Thread(target=serve)

@@ -2,7 +2,7 @@
 
 - `metrics/target-rank-<r>.jsonl`: one line per step: {step, loss, step_time_s, tokens_per_s,
   idle_s_by_kind, windows_by_kind, pred_error_median_by_kind, time_ns}.
-- `metrics/windows-rank-<r>.jsonl`: one line per closed window (harvest/instrument.py's record:
+- `metrics/windows-rank-<r>.jsonl`: one line per closed window (harvest/window_history.py's Window.record:
   {window_id, kind, stage, step, start_ns, predicted_ns, actual_ns[, channel, bytes]}).
 - Prometheus (prometheus-client) on SPECTRAIN_METRICS_PORT + local rank when the port is > 0.
 - progress: rank 0 reports through `spectrain_workloads.podstatus.report_progress(dict)` (progress.json

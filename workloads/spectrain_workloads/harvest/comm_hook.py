@@ -5,7 +5,7 @@ the flat bucket [n] by the group's world size, all-reduce the sum), so gradients
 all-reduce; around it a window runs from the bucket's launch to its completion (closed on gloo's /
 NCCL's completion callback). Its channel is `<channel><bucket index>`, and it is anchored (`anchor="dp"`):
 a bucket's all-reduce ends when the slowest replica launches it, so its end is predicted from this
-step's first bucket launch (instrument.py), not from bytes / bandwidth.
+step's first bucket launch (window_history.py), not from bytes / bandwidth.
 
 Users: the built-in trainer (target/trainer.py, one hook per model chunk) and `hooks.ddp_comm_hook`.
 """
@@ -33,7 +33,7 @@ def make_comm_hook(instrument: Instrument, channel: str = "dp-bucket-"
         world = dist.get_world_size(group)
         buf.div_(world)                             # same maths as torch's allreduce_hook
         # anchor "dp": a bucket's all-reduce ends when the slowest replica launches it, so its end is
-        # predicted relative to this step's first bucket launch (instrument.py), not from bandwidth
+        # predicted relative to this step's first bucket launch (window_history.py), not from bandwidth
         w = instrument.comm_open(f"{channel}{bucket.index()}", buf.numel() * buf.element_size(), anchor="dp")
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
 

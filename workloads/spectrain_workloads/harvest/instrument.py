@@ -2,34 +2,13 @@
 
 - Bubble: pre-scheduled. The pipeline executor (target/pipeline.py, or hooks/pipelining.py around
   torch's schedules) opens a BUBBLE slot of the schedule (schedule.py) right after the previous
-  action ends, before it blocks on the receive that ends the bubble. The prediction is the
-  schedule simulated with the EMA of this stage's measured forward/backward times
-  (`record_compute`), times a per-slot correction: the median of recent actual / simulated for that
-  slot. A stage only measures its own F/B, but its bubbles are the other stages' compute (the
-  last stage's LM head and loss make it slower than the rest, for one); the correction learns
-  that per slot, while the simulation still follows changes of F/B times at once. Per slot, the
-  prediction switches to the median of the slot's recent actual lengths while that has had the
-  lower median relative error over the slot's recent bubbles (`prefer_second`): on a shared CPU the
-  stage's own F/B jitter, which the simulation follows, says little about the peer's compute that
-  the bubble waits for.
+  action ends, before it blocks on the receive that ends the bubble. Predicted from the schedule
+  simulated with the EMA of this stage's measured forward/backward times (`record_compute`) and
+  from the slot's recent bubbles (window_history.py).
 - Communication: opened when a collective is launched (DDP bucket all-reduce in comm_hook.py,
   pipeline isend, a pipeline receive the stage has to wait for), closed on completion. Predicted
-  from the recent durations of the same (channel, bytes, position) (position: the microbatch
-  of a pipeline transfer, so a receive that regularly waits for a slower peer predicts that wait),
-  by `min_relative_error_center` (the centre of the tightest half of them, below the median for
-  these right-skewed durations);
-  a key never seen is predicted from the channel's (one per direction) latency + bytes / bandwidth
-  fit, and from `default_bytes_per_ns` before the channel has any sample. DDP bucket all-reduces
-  are anchored instead (`comm_open(anchor="dp")`): an all-reduce ends when the slowest replica
-  launches the same bucket (measured: the early replica's bucket k ends 0.2-3 ms after the late
-  one's launch of k), so its duration is the peer's remaining backward, not bytes / bandwidth. The
-  step's first bucket launch is the anchor; bucket k is predicted to end at anchor + the lower
-  quartile of its recent (end - anchor) (`usual_end`: the on-time mode of a rotating straggler's
-  bimodal history, not a wait between the modes), at least its shortest recent duration (the link
-  alone, peer already there).
-  Once a bucket of the step has completed, the peer's lag in this step is known (that bucket's end -
-  its link time - its launch, `peer_lag_ns`), and the buckets launched after that are predicted as
-  max(lag, 0) + their own link time (`lagged_prediction_ns`).
+  from the recent durations of the same transfer, or, for the DDP bucket all-reduces
+  (`comm_open(anchor="dp")`), from the step's first bucket launch (window_history.py).
 - Imbalance: reactive and open-ended (predicted 0). Waiting is told from communicating by local
   timestamps only, no extra collective: when a rank reaches a sync point (its compute for the step
   is done, or it needs a tensor a peer has not sent), the transfers it still waits for are
@@ -39,9 +18,7 @@
   wakes no thread unless it passes; a sleeping thread elsewhere); if the rank is still blocked
   then, the rest of the wait is a peer's lateness, and the Imbalance window opens at once.
   `sync_end()` closes it. Communication samples that overlapped an Imbalance window are not fed
-  to the duration history (they measured the peer, not the link). Medians rather than means: on
-  a shared CPU, sub-millisecond transfers have a heavy tail of scheduling delays that would pull
-  a mean (and so the typical window's prediction) far off.
+  to the duration history (they measured the peer, not the link).
 
 Cost accounting (`InstrumentOptions.cost_path`, env SPECTRAIN_INSTRUMENT_COST_FILE; bench-target's
 instrumentation_cost_fraction): the entry points are wrapped on the instance to sum wall and thread
@@ -60,10 +37,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,14 +46,7 @@ from typing import Any
 
 from spectrain_workloads.contract import WINDOW_KINDS
 from spectrain_workloads.harvest.imbalance_watch import Watch, make_watch
-from spectrain_workloads.harvest.window_predictors import (
-    LinearFit,
-    lagged_prediction_ns,
-    min_relative_error_center,
-    peer_lag_ns,
-    prefer_second,
-    usual_end,
-)
+from spectrain_workloads.harvest.window_history import BubbleHistory, CommHistory, Window
 
 BUBBLE, COMMUNICATION, IMBALANCE, _ = WINDOW_KINDS
 _RING_KIND = {BUBBLE: 1, COMMUNICATION: 2, IMBALANCE: 3}   # spectrain_workloads.ring.WindowKind values
@@ -109,26 +77,6 @@ def instrumented_step(step: int, interleave: int) -> bool:
     return interleave <= 0 or (step // interleave) % 4 in (0, 3)
 
 
-@dataclass(slots=True)
-class Window:
-    kind: str
-    start_ns: int
-    predicted_ns: int
-    step: int
-    channel: str = ""
-    nbytes: int = 0
-    ring_id: int = 0
-    local_id: int = 0
-    imb_epoch: int = 0
-    slot: int = -1          # schedule slot of a Bubble
-    base_ns: float = 0.0    # Bubble: the simulated length before the per-slot correction
-    learn: bool = True      # feed the predictors on close (Bubble: a usual slot; Communication: no Imbalance overlap)
-    pos: int = -1           # Communication: position (pipeline microbatch), part of the history key
-    anchor_ns: int = 0      # Communication: the anchor of its group in this step (0: none)
-    group: str = ""         # Communication: the anchor group ("dp": the DDP buckets of a step)
-    alt: tuple[float, float] = (0.0, 0.0)   # Bubble: (simulated x correction, slot history) predictions
-
-
 class Instrument:
     """One per rank. `producer`: a RingProducer or None (metrics only); `sink(record)` receives
     every closed window as the dict written to metrics/windows-rank-<r>.jsonl, at `end_step()`.
@@ -156,20 +104,11 @@ class Instrument:
         self._tf: float | None = None    # EMA forward ns per microbatch
         self._tb: float | None = None    # EMA backward ns per microbatch
         self._closed: list[tuple[Window, int]] = []   # (window, actual ns) closed since end_step()
-        # histories (end_step() appends) and the predictions cached from them (the hot path reads)
-        self._dur: dict[tuple[str, int, int], deque[float]] = {}   # (channel, bytes, pos) -> recent ns
-        self._pred: dict[tuple[str, int, int], int] = {}           # ... -> min_relative_error_center
-        self._link: dict[tuple[str, int], float] = {}              # (channel, bytes) -> shortest recent (pos -1)
-        self._fit: dict[str, LinearFit] = {}                # channel -> latency + bytes / bandwidth
-        self._rel_end: dict[tuple[str, int], deque[float]] = {}   # (channel, bytes) -> recent end - anchor
-        self._rel_usual: dict[tuple[str, int], float] = {}        # ... -> their usual_end
-        self._slot_ratio: dict[int, deque[float]] = {}      # bubble slot -> recent actual / simulated
-        self._slot_actual: dict[int, deque[float]] = {}     # bubble slot -> recent actual
-        # bubble slot -> recent relative errors of (simulated x correction, slot history)
-        self._slot_err: dict[int, tuple[deque[float], deque[float]]] = {}
-        self._slot_pred: dict[int, tuple[float, float, bool]] = {}   # slot -> (correction, history, use history)
-        self._anchor: dict[str, tuple[int, int]] = {}        # anchor group -> (step, first launch ns)
-        self._lag: dict[str, tuple[int, float]] = {}        # anchor group -> (step, peer lag ns in that step)
+        # what end_step() learns from the closed windows, and the predictions the hot path reads
+        self._bubbles = BubbleHistory(opts.history)
+        self._comms = CommHistory(history=opts.history, default_latency_ns=opts.default_latency_ns,
+                                  default_bytes_per_ns=opts.default_bytes_per_ns,
+                                  usual_end_quantile=opts.usual_end_quantile)
         self._outstanding: dict[int, Window] = {}     # open comm windows by local id
         self._imb_epoch = 0
         self._imbalance: Window | None = None
@@ -274,21 +213,10 @@ class Instrument:
         return actual
 
     # -- bubble ---------------------------------------------------------------------------------
-    def _bubble_candidates(self, simulated_ns: float, slot: int) -> tuple[float, float, bool]:
-        """(simulated x per-slot correction, median of the slot's recent actuals, whether the
-        history has had the lower error); 0 where unknown."""
-        corr, hist, use_hist = self._slot_pred.get(slot, (1.0, 0.0, False))
-        return (simulated_ns * corr if simulated_ns > 0 else 0.0), hist, use_hist
-
-    @staticmethod
-    def _choose_bubble(sim: float, hist: float, use_hist: bool) -> int:
-        return int(hist if hist > 0 and (sim <= 0 or use_hist) else sim)
-
     def predict_bubble_ns(self, simulated_ns: float, slot: int) -> int:
-        """Prediction of bubble `slot` from its simulated length (0: unknown) and its history: the
-        schedule simulation (times the slot's correction) unless the slot's plain history of actual
-        lengths has had the lower median relative error over the slot's recent bubbles."""
-        return self._choose_bubble(*self._bubble_candidates(simulated_ns, slot))
+        """Prediction of bubble `slot` from its simulated length (0: unknown) and its history
+        (window_history.py's BubbleHistory)."""
+        return self._bubbles.predict_ns(simulated_ns, slot)
 
     def bubble_open(self, predicted_ns: float, slot: int = -1, *, learn: bool = True) -> Window | None:
         """Open scheduled bubble `slot`; `predicted_ns` is the schedule's simulated length (0 until
@@ -296,8 +224,8 @@ class Instrument:
         one (the first step's leading bubble has no trailing part)."""
         if not self.enabled:
             return None
-        sim, hist, use_hist = self._bubble_candidates(predicted_ns, slot)
-        w = self._open(BUBBLE, self._choose_bubble(sim, hist, use_hist))
+        sim, hist, use_hist = self._bubbles.candidates(predicted_ns, slot)
+        w = self._open(BUBBLE, self._bubbles.choose(sim, hist, use_hist))
         w.slot, w.base_ns, w.learn, w.alt = slot, float(predicted_ns), learn, (sim, hist)
         return w
 
@@ -307,49 +235,9 @@ class Instrument:
         with self._lock:
             self._close(w)
 
-    def _learn_bubble(self, w: Window, actual: int) -> None:
-        n = self.opts.history
-        sim, hist = w.alt
-        if sim > 0 and hist > 0:
-            e_sim, e_hist = self._slot_err.setdefault(w.slot, (deque(maxlen=n), deque(maxlen=n)))
-            e_sim.append(abs(sim - actual) / actual)
-            e_hist.append(abs(hist - actual) / actual)
-        actuals = self._slot_actual.setdefault(w.slot, deque(maxlen=n))
-        actuals.append(float(actual))
-        ratios = self._slot_ratio.setdefault(w.slot, deque(maxlen=n))
-        if w.base_ns > 0:
-            ratios.append(min(max(actual / w.base_ns, 0.05), 20.0))
-        errs = self._slot_err.get(w.slot)
-        self._slot_pred[w.slot] = (statistics.median(ratios) if ratios else 1.0, float(statistics.median(actuals)),
-                                   errs is not None and prefer_second(errs[0], errs[1]))
-
     # -- communication --------------------------------------------------------------------------
     def predict_comm_ns(self, channel: str, nbytes: int, pos: int = -1) -> int:
-        p = self._pred.get((channel, nbytes, pos))
-        if p is not None:
-            return p
-        fit = self._fit.get(channel)
-        if fit is not None and fit.ready:
-            return max(1, int(fit.predict(nbytes)))
-        return max(1, int(self.opts.default_latency_ns + nbytes / self.opts.default_bytes_per_ns))
-
-    def _predict_anchored_ns(self, channel: str, nbytes: int, group: str, now: int) -> tuple[int, int]:
-        """(anchor ns, prediction or 0) of a transfer whose end is tied to its group's anchor.
-
-        Once a transfer of the group has completed in this step, the peer's lag in this step is
-        known (`peer_lag_ns`) and the transfer is predicted as lag (if the peer is behind) + its
-        link time; before that, as anchor + the usual (`usual_end`) of its recent end - anchor."""
-        a = self._anchor.get(group)
-        if a is None or a[0] != self.step:
-            a = self._anchor[group] = (self.step, now)
-        link = self._link.get((channel, nbytes))
-        lag = self._lag.get(group)
-        if lag is not None and lag[0] == self.step and link is not None:
-            return a[1], lagged_prediction_ns(lag[1], link)
-        rel = self._rel_usual.get((channel, nbytes))
-        if rel is None:
-            return a[1], 0
-        return a[1], max(1, int(max(a[1] + rel - now, link if link is not None else 1.0)))
+        return self._comms.predict_ns(channel, nbytes, pos)
 
     def comm_open(self, channel: str, nbytes: int, pos: int = -1, *, anchor: str = "") -> Window | None:
         """Open a Communication window. `anchor`: a group of transfers (the DDP buckets of a step)
@@ -359,7 +247,8 @@ class Instrument:
             return None
         pred, anchor_ns = 0, 0
         if anchor:
-            anchor_ns, pred = self._predict_anchored_ns(channel, nbytes, anchor, time.monotonic_ns())
+            anchor_ns, pred = self._comms.predict_anchored_ns(channel, nbytes, anchor, self.step,
+                                                              time.monotonic_ns())
         if pred <= 0:
             pred = self.predict_comm_ns(channel, nbytes, pos)
         w = self._open(COMMUNICATION, pred, channel, nbytes, outstanding=True)
@@ -375,25 +264,7 @@ class Instrument:
             w.learn = w.imb_epoch == self._imb_epoch and self._imbalance is None
             actual = self._close(w, end_ns)
         if w.anchor_ns and actual > 0:
-            link = self._link.get((w.channel, w.nbytes))
-            a = self._anchor.get(w.group)
-            if link is not None and a is not None and a[0] == w.step:
-                self._lag[w.group] = (w.step, peer_lag_ns(w.start_ns, w.start_ns + actual, link))
-
-    def _learn_comm(self, w: Window, actual: int, touched: set[tuple[str, int, int]],
-                    touched_rel: set[tuple[str, int]]) -> None:
-        if w.anchor_ns:
-            # The end relative to the anchor models the peer (when it launched the same bucket), so it
-            # is learned whether or not the wait was long enough to count as imbalance.
-            self._rel_end.setdefault((w.channel, w.nbytes), deque(maxlen=self.opts.history)).append(
-                float(w.start_ns + actual - w.anchor_ns))
-            touched_rel.add((w.channel, w.nbytes))
-        if not w.learn:
-            return
-        key = (w.channel, w.nbytes, w.pos)
-        self._dur.setdefault(key, deque(maxlen=self.opts.history)).append(float(actual))
-        self._fit.setdefault(w.channel, LinearFit()).add(w.nbytes, float(actual))
-        touched.add(key)
+            self._comms.note_lag(w, actual)
 
     def expected_comm_end(self, now: int | None = None) -> int:
         """When the outstanding transfers are expected to be done: the latest start + prediction.
@@ -412,36 +283,11 @@ class Instrument:
         (the training thread, between steps; close() calls it too)."""
         with self._lock:
             closed, self._closed = self._closed, []
-        touched: set[tuple[str, int, int]] = set()
-        touched_rel: set[tuple[str, int]] = set()
-        for w, actual in closed:
-            if actual <= 0:
-                continue
-            if w.kind == COMMUNICATION:
-                self._learn_comm(w, actual, touched, touched_rel)
-            elif w.kind == BUBBLE and w.learn and w.slot >= 0:
-                self._learn_bubble(w, actual)
-        for key in touched:
-            d = self._dur[key]
-            self._pred[key] = max(1, int(min_relative_error_center(d)))
-            if key[2] == -1:
-                self._link[key[:2]] = min(d)
-        for k in touched_rel:
-            self._rel_usual[k] = usual_end(self._rel_end[k], self.opts.usual_end_quantile)
+        self._bubbles.learn(closed)
+        self._comms.learn(closed)
         if self.sink is not None:
             for w, actual in closed:
-                self.sink(self._record(w, actual))
-
-    def _record(self, w: Window, actual: int) -> dict[str, Any]:
-        rec = {"window_id": w.ring_id or w.local_id, "kind": w.kind, "stage": self.stage, "step": w.step,
-               "start_ns": w.start_ns, "predicted_ns": w.predicted_ns, "actual_ns": actual}
-        if w.channel:
-            rec["channel"], rec["bytes"] = w.channel, w.nbytes
-        if w.slot >= 0:
-            rec["slot"], rec["simulated_ns"] = w.slot, int(w.base_ns)
-        if w.pos >= 0:
-            rec["pos"] = w.pos
-        return rec
+                self.sink(w.record(self.stage, actual))
 
     # -- sync points / imbalance ----------------------------------------------------------------
     def sync_begin(self, extra_pred_ns: int = 0) -> None:

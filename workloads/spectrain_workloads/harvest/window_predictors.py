@@ -1,4 +1,4 @@
-"""Pure predictors of the target's idle windows (instrument.py drives them; no clocks, no state
+"""Pure predictors of the target's idle windows (window_history.py drives them; no clocks, no state
 beyond their arguments), so that each is readable and testable on its own.
 
 - `min_relative_error_center`: the location a median-relative-error metric rewards for a skewed

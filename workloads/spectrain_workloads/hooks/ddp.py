@@ -3,7 +3,7 @@
 Registers the built-in trainer's hook (harvest/comm_hook.py `make_comm_hook`): the maths of torch's
 `allreduce_hook` (divide the bucket [n] by the world size, all-reduce the sum) plus a window from
 the bucket's launch to its completion (closed on gloo's / NCCL's completion callback), predicted
-from the end of the step's first bucket launch plus this bucket's recent lag (harvest/instrument.py).
+from the end of the step's first bucket launch plus this bucket's recent lag (harvest/window_history.py).
 The windows' channel is `dp-bucket-<bucket index>` (+ `prefix`).
 
 A NoopPublisher registers nothing: DDP keeps its own C++ all-reduce. Both sum the same bucket

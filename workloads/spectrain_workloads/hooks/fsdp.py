@@ -8,7 +8,7 @@ completes: at once for a synchronous call, on the Work's completion callback for
 one. The collectives themselves are FSDP2's, with the same arguments, so the maths is unchanged.
 
 Channels: `fsdp-ag-<i>` / `fsdp-rs-<i>` (i: the module's index among `model`'s FSDP modules), so
-that each module's transfers keep their own history (harvest/instrument.py predicts per channel and size).
+that each module's transfers keep their own history (harvest/window_history.py predicts per channel and size).
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ import numpy as np
 from spectrain_workloads.ring import layout as L
 from spectrain_workloads.ring import sync
 from spectrain_workloads.ring.errors import PayloadTooLarge, ProducerDead, RingError
-from spectrain_workloads.ring.mapping import Mapping, file_identity, open_ring
+from spectrain_workloads.ring.handover import open_ring
+from spectrain_workloads.ring.mapping import Mapping, file_identity
 from spectrain_workloads.ring.records import KINDS_BY_VALUE, BackMessage, DataRecord, WindowEvent
 
 _Q_STATE = L.H_STATE >> 3

@@ -28,7 +28,7 @@ import numpy as np
 from spectrain_workloads.ring import layout as L
 from spectrain_workloads.ring import sync
 from spectrain_workloads.ring.errors import PayloadTooLarge, RingError
-from spectrain_workloads.ring.mapping import Ring, create_ring
+from spectrain_workloads.ring.handover import Ring, create_ring
 from spectrain_workloads.ring.records import KINDS_BY_VALUE, BackMessage, WindowKind
 
 _Q_HEARTBEAT = L.H_HEARTBEAT >> 3
