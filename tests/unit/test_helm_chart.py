@@ -95,6 +95,20 @@ def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
+def aggregated(role: dict[str, Any]) -> bool:
+    """A ClusterRole that adds SpecTrainJobs to the default admin/edit/view roles (not the operator's)."""
+    return any(k.startswith("rbac.authorization.k8s.io/aggregate-to-") for k in role["metadata"].get("labels", {}))
+
+
+def operator_roles(docs: list[dict[str, Any]], kind: str = "ClusterRole") -> list[dict[str, Any]]:
+    return [r for r in by_kind(docs, kind) if not aggregated(r)]
+
+
+def operator_cluster_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (role,) = operator_roles(docs)
+    return role
+
+
 def chart_crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
     schemas = {}
     for f in sorted((CHART / "crds").glob("*.yaml")):
@@ -214,7 +228,7 @@ def test_default_deployment_is_hardened() -> None:
     assert pod["serviceAccountName"] == sa
     crb = one(docs, "ClusterRoleBinding")
     assert crb["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
-    assert crb["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"]
+    assert crb["roleRef"]["name"] == operator_cluster_role(docs)["metadata"]["name"]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -267,7 +281,7 @@ def test_ha_renders_pdb_lease_role_and_rules() -> None:
          "verbs": ["get", "update"]},
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]}]
     assert one(docs, "RoleBinding")["roleRef"]["name"] == role["metadata"]["name"]
-    rules = one(docs, "ClusterRole")["rules"]
+    rules = operator_cluster_role(docs)["rules"]
     assert not any("leases" in r["resources"] for r in rules)   # nothing cluster-wide for the Lease
     anti = one(docs, "Deployment")["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
     assert anti["preferredDuringSchedulingIgnoredDuringExecution"]
@@ -275,7 +289,7 @@ def test_ha_renders_pdb_lease_role_and_rules() -> None:
 
 def test_watch_selected_namespaces_has_no_cluster_scope() -> None:
     docs = render(VARIANTS["namespaced-ha"])
-    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    assert not operator_roles(docs) and not by_kind(docs, "ClusterRoleBinding")
     roles = by_kind(docs, "Role")
     # a Role per watched namespace, and the leader-election Role in the release namespace
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["spectrain-system", "team-a", "team-b"]
@@ -290,7 +304,7 @@ def test_watch_selected_namespaces_has_no_cluster_scope() -> None:
 
 def test_features_add_only_their_rules() -> None:
     def groups(values: dict[str, Any]) -> set[str]:
-        return {g for r in one(render(values), "ClusterRole")["rules"] for g in r["apiGroups"]}
+        return {g for r in operator_cluster_role(render(values))["rules"] for g in r["apiGroups"]}
 
     base = groups({})
     assert base == {"spectrain.io", "", "rbac.authorization.k8s.io", "networking.k8s.io"}
@@ -360,7 +374,7 @@ def test_operator_network_policy_opens_only_its_two_ports() -> None:
 def test_operator_may_create_network_policies_and_nothing_more_on_them() -> None:
     """create, and get for the owner check on a 409 (kube.Kube.create): no update, patch or delete."""
     for variant in ("default", "namespaced-ha"):
-        for role in by_kind(render(VARIANTS[variant]), "ClusterRole") + by_kind(render(VARIANTS[variant]), "Role"):
+        for role in operator_roles(render(VARIANTS[variant])) + by_kind(render(VARIANTS[variant]), "Role"):
             if role["metadata"]["name"].endswith("-leader-election"):
                 continue
             rules = [r for r in role["rules"] if "networking.k8s.io" in r["apiGroups"]]
@@ -455,3 +469,21 @@ def test_crds_in_chart_are_byte_identical_copies() -> None:
         assert copy.read_bytes() == src.read_bytes(), f"{copy} differs from {src}: run `python scripts/gen.py`"
     extra = {p.name for p in (CHART / "crds").glob("*")} - {p.name for p in top}
     assert extra == CHART_OWNED_CRDS
+
+
+def test_spectrainjobs_join_the_default_user_roles() -> None:
+    """Whoever may edit a namespace may run SpecTrainJobs in it, whoever may view it may read them
+    (aggregation to admin/edit/view, as Kubeflow Trainer and JobSet ship); off on request."""
+    docs = render({})
+    roles = {r["metadata"]["name"].rsplit("-", 1)[1]: r for r in by_kind(docs, "ClusterRole") if aggregated(r)}
+    edit, view = roles["edit"], roles["view"]
+    assert edit["metadata"]["name"] == operator_cluster_role(docs)["metadata"]["name"] + "-edit"
+    labels = edit["metadata"]["labels"]
+    assert labels["rbac.authorization.k8s.io/aggregate-to-edit"] == labels["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert {"create", "delete", "patch", "update"} <= set(edit["rules"][0]["verbs"])
+    assert edit["rules"][1] == {"apiGroups": ["spectrain.io"], "resources": ["spectrainjobs/status"], "verbs": ["get"]}
+    assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in view["rules"])
+    # SpecTrainJobs only: no pods, secrets or anything the operator creates for a job
+    assert {res for r in edit["rules"] + view["rules"] for res in r["resources"]} == {"spectrainjobs", "spectrainjobs/status"}
+    assert not [r for r in by_kind(render({"rbac": {"aggregateToDefaultRoles": False}}), "ClusterRole") if aggregated(r)]
