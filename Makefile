@@ -16,7 +16,7 @@ BENCHES := $(sort $(basename $(notdir $(filter-out bench/__init__.py bench/commo
 BENCH_ALIASES := $(subst _,-,$(foreach b,$(BENCHES),$(if $(findstring _,$(b)),$(b))))   # bench-fleet-scale = bench-fleet_scale
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-unit test-integration test-e2e lint typecheck verify demo demo-rl demo-hf \
+.PHONY: help install test test-unit test-integration test-e2e lint typecheck verify lock demo demo-rl demo-hf \
         kube-binaries kube-binaries-legacy prometheus-binaries crds docs clean gpu-check gate-replay $(BENCHES:%=bench-%) \
         $(BENCH_ALIASES:%=bench-%)
 
@@ -59,11 +59,16 @@ lint: $(STAMP) ## ruff
 
 typecheck: $(STAMP) ## mypy on the operator, the ring, the contract, the drafter fleet, the hooks API, the harvest engine, speculative decoding and the HF targets
 	$(VENV)/bin/mypy --follow-imports=silent operator/spectrain_operator workloads/spectrain_workloads/ring \
-	  workloads/spectrain_workloads/{contract,config,runtime}.py workloads/spectrain_workloads/drafter/{fleet,links,replicas,fleet_records,listener,auth,checks,allreduce,ring_replicas}.py
+	  workloads/spectrain_workloads/{contract,config,runtime,loop}.py workloads/spectrain_workloads/target/{entry,topology}.py workloads/spectrain_workloads/rl/mode.py workloads/spectrain_workloads/drafter/{fleet,links,replicas,fleet_records,listener,auth,checks,allreduce,ring_replicas}.py
 	$(VENV)/bin/mypy --follow-imports=silent workloads/spectrain_workloads/hooks workloads/spectrain_workloads/harvest \
 	  workloads/spectrain_workloads/hf workloads/spectrain_workloads/specdec workloads/spectrain_workloads/{generate,target_model}.py
 
-verify: $(STAMP) ## regenerate derived files (helm CRD copy, docs) and fail on a diff
+# Resolving needs the package index, so verify only checks the locks' recorded input hashes (offline).
+lock: $(STAMP) ## regenerate the images' hashed lock files (operator/ and workloads/requirements.lock; needs PyPI)
+	$(PY) scripts/lock.py
+
+verify: $(STAMP) ## regenerate derived files (helm CRD copy, docs) and fail on a diff or a stale lock file
+	$(PY) scripts/lock.py --check
 	$(PY) scripts/gen.py
 	@git diff --exit-code -- helm docs crds || (echo "derived files are stale: run 'python scripts/gen.py' and commit" && exit 1)
 	@test -z "$$(git status --porcelain -- helm docs crds)" || (git status --porcelain -- helm docs crds; echo "untracked derived files: commit them" && exit 1)

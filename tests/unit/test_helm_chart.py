@@ -322,6 +322,17 @@ def test_no_wildcards_in_rbac() -> None:
                 assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
 
 
+@pytest.mark.parametrize(("image", "expected"), [
+    ({}, "example.org/spectrain/operator:0.1.0"),   # the chart's appVersion as the tag
+    ({"tag": "0.1.1"}, "example.org/spectrain/operator:0.1.1"),
+    # A digest pins the exact image; it wins over a tag set beside it (a tag can be re-pushed).
+    ({"repository": "registry.internal/spectrain/operator", "tag": "0.1.1", "digest": "sha256:" + "0f" * 32},
+     "registry.internal/spectrain/operator@sha256:" + "0f" * 32),
+])
+def test_image_reference_by_tag_or_digest(image: dict[str, str], expected: str) -> None:
+    assert _container(render({"image": image}))["image"] == expected
+
+
 def test_everything_variant_applies_overrides() -> None:
     docs = render(VARIANTS["everything"])
     c = _container(docs)
