@@ -1,5 +1,6 @@
-"""The runtime every target mode shares: Pretrain (target.trainer), RL (rl.grpo) and AsyncPipeline
-(target.async_pipeline) start the same way and keep their state the same way.
+"""The runtime every target mode shares: Pretrain (target.trainer), RL (rl.mode) and AsyncPipeline
+(target.async_pipeline) start the same way and keep their state the same way;
+loop.py runs them all through one loop.
 
 `Runtime.start(cfg)` runs the contract's checks, reads the environment (`TargetOptions`,
 `RankInfo`: docs/contracts.md), picks the device and the CPU threads, prepares the run directory
@@ -28,6 +29,7 @@ from spectrain_workloads.contract import (
     DEVICES,
     ENV_DEVICE,
     ENV_DRAFTER_ENABLED,
+    ENV_EXPORT_DIR,
     ENV_METRICS_PORT,
     ENV_RING_DIR,
     ENV_RUN_DIR,
@@ -77,6 +79,9 @@ class TargetOptions:
     data_max_bytes: int = 8 << 20       # [SPECTRAIN_DATA_MAX_BYTES] corpus cap
     torch_threads: int = 0              # [SPECTRAIN_TORCH_THREADS] 0: cores / local ranks on CPU
     drafter_threads: int = 1            # [SPECTRAIN_DRAFTER_THREADS] the sidecar's share of the CPU cores
+    rl_warmup_steps: int = 200          # [SPECTRAIN_RL_WARMUP_STEPS] mode RL: supervised warm-up steps on a fresh start
+    rl_plain_every: int = 0             # [SPECTRAIN_RL_PLAIN_EVERY] mode RL: every n-th step also rolls out plainly; 0: never
+    export_dir: Path | None = None      # [SPECTRAIN_EXPORT_DIR] mode RL: drafter exports; None: run_dir / spec's export path
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -89,6 +94,9 @@ class TargetOptions:
             raise ConfigError(f"SPECTRAIN_INSTRUMENT_INTERLEAVE must be >= 0 (0: off), got {self.instrument_interleave}")
         if self.term_grace_s <= 2:
             raise ConfigError(f"SPECTRAIN_TERM_GRACE_S must be > 2, got {self.term_grace_s}")
+        if self.rl_warmup_steps < 0 or self.rl_plain_every < 0:
+            raise ConfigError("SPECTRAIN_RL_WARMUP_STEPS and SPECTRAIN_RL_PLAIN_EVERY must be >= 0, got "
+                              f"{self.rl_warmup_steps} and {self.rl_plain_every}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> TargetOptions:
@@ -96,7 +104,7 @@ class TargetOptions:
         run_dir = e.get(ENV_RUN_DIR)
         if not run_dir:
             raise ConfigError(f"{ENV_RUN_DIR} is not set; point it at the checkpoint volume")
-        ring = e.get(ENV_RING_DIR)
+        ring, export = e.get(ENV_RING_DIR), e.get(ENV_EXPORT_DIR)
         return cls(
             run_dir=Path(run_dir), ring_dir=Path(ring) if ring else None,
             device=e.get(ENV_DEVICE, "auto") or "auto",
@@ -112,6 +120,9 @@ class TargetOptions:
             data_max_bytes=env_value(e, "SPECTRAIN_DATA_MAX_BYTES", int, 8 << 20),
             torch_threads=env_value(e, "SPECTRAIN_TORCH_THREADS", int, 0),
             drafter_threads=env_value(e, "SPECTRAIN_DRAFTER_THREADS", int, 1),
+            rl_warmup_steps=env_value(e, "SPECTRAIN_RL_WARMUP_STEPS", int, 200),
+            rl_plain_every=env_value(e, "SPECTRAIN_RL_PLAIN_EVERY", int, 0),
+            export_dir=Path(export) if export else None,
         )
 
 
@@ -189,14 +200,16 @@ class Runtime:
                    metrics=MetricsWriter(opts.run_dir, rank.rank, local_rank=rank.local_rank,
                                          port=opts.metrics_port, progress=rank.rank == 0, total_steps=t.steps))
 
-    def resume_step(self) -> int:
-        """The newest step every rank has a checkpoint of (0: start fresh)."""
-        latest = self.ckpt.latest() or 0
-        if self.rank.world == 1:
-            return latest
-        buf = torch.tensor([latest], dtype=torch.int64, device=self.device)
-        dist.all_reduce(buf, op=dist.ReduceOp.MIN)
-        return int(buf.item())
+    def resume_step(self) -> int | None:
+        """The newest step every rank has a checkpoint of; None when some rank has none (start
+        fresh). A step-0 checkpoint counts: mode RL saves its warmed-up policy as step 0."""
+        latest = self.ckpt.latest()
+        mine = -1 if latest is None else latest
+        if self.rank.world > 1:
+            buf = torch.tensor([mine], dtype=torch.int64, device=self.device)
+            dist.all_reduce(buf, op=dist.ReduceOp.MIN)
+            mine = int(buf.item())
+        return None if mine < 0 else mine
 
     def ring_producer(self, *, hidden_dim: int, seq_len: int, publishes: bool) -> Any:
         """The ring of this local rank (None when the drafter is off). Ranks that publish hidden

@@ -11,16 +11,8 @@ Long tail as idle time: when the rollout's active batch drops below tail_fractio
 empties), the rank opens a RolloutTail window on the ring (closed when the rollout ends, after the
 cross-rank barrier when WORLD_SIZE > 1) and publishes each finished sequence's hidden states
 (those the rollout computed anyway: no extra prefill) and tokens on the data channel, so the
-drafter sidecar trains on them during the window. `run(cfg)` is target.py's entry for spec.mode RL.
-
-`run(cfg)`: the policy starts from a short supervised warm-up on the task (the stand-in for a
-pretrained policy, so rewards carry signal): SPECTRAIN_RL_WARMUP_STEPS steps (default 200; set it
-through spec.target.env; skipped on resume). At the start of every RL step the rollout engine loads
-the newest drafter export ($SPECTRAIN_EXPORT_DIR/LATEST) if it moved; metrics record its version per
-step. SIGTERM: the checkpoint of the current step boundary is saved, then the rank exits (shutdown.py).
-SPECTRAIN_RL_PLAIN_EVERY=n (default 0: off): every n-th step also rolls out plainly from the same
-state, so the step's metrics carry the RL step speedup of speculation measured in this very run
-(sidebyside.py; training is unchanged by it).
+drafter sidecar trains on them during the window. rl/mode.py runs these steps as spec.mode RL
+(warm-up, drafter exports, checkpoints, SIGTERM, metrics).
 """
 
 from __future__ import annotations
@@ -28,7 +20,6 @@ from __future__ import annotations
 import copy
 import os
 import random
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,11 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spectrain_workloads.contract import ENV_EXPORT_DIR
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import Transformer
 from spectrain_workloads.rl.sidebyside import plain_rerun
-from spectrain_workloads.rl.tasks import TOKENIZER, Example, Task, get_task
+from spectrain_workloads.rl.tasks import TOKENIZER, Example, Task
 from spectrain_workloads.specdec.config import RolloutConfig, RolloutResult
 from spectrain_workloads.specdec.engine import RolloutEngine
 
@@ -396,91 +386,5 @@ class GRPOTrainer:
         self._tail_pred_ns = int(state.get("tail_pred_ns", 0))
 
 
-# ------------------------------------------------------------------------------------------ entry
-
-def run(cfg: Any) -> list[float]:
-    """spec.mode RL on this rank (env per docs/contracts.md); returns the per-step mean rewards."""
-    from spectrain_workloads.runtime import Runtime
-    from spectrain_workloads.target_model import resolve_target
-
-    rt = Runtime.start(cfg, leave_drafter_threads=True)
-    opts, rank, device, t = rt.opts, rt.rank, rt.device, cfg.target
-    assert t.rl is not None                 # check_spec: mode RL has spec.target.rl
-    target = resolve_target(cfg)          # a preset (seeded init) or an HF model directory (its weights)
-    mcfg = target.config
-    policy = target.build_stage(0, 1).to(device)
-    rl = t.rl
-    tokenizer = target.tokenizer()
-    task = get_task(rl.task, max_len=max(2, min(48, rl.max_new_tokens - 1)), tokenizer=tokenizer)
-    rcfg = RolloutConfig.from_rl(rl, seed=cfg.seed + rank.rank, eos_id=tokenizer.EOS)
-    gcfg = GRPOConfig(group_size=rl.group_size, prompts_per_step=t.data.batch_size, lr=t.optimizer.lr,
-                      plain_every=int(os.environ.get("SPECTRAIN_RL_PLAIN_EVERY", "0")), seed=cfg.seed + rank.rank)
-
-    import torch.distributed as dist
-    barrier = grad_sync = None
-    if rank.world > 1:
-        barrier = dist.barrier
-
-        def grad_sync(m: nn.Module) -> None:
-            for p in m.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad.div_(rank.world)
-
-    producer = rt.ring_producer(hidden_dim=mcfg.dim, seq_len=mcfg.max_seq_len, publishes=True)
-    export_dir = Path(os.environ.get(ENV_EXPORT_DIR) or opts.run_dir / cfg.drafter.export.path)
-    metrics, ckpt = rt.metrics, rt.ckpt
-    trainer = GRPOTrainer(policy, task, gcfg, rcfg, producer=producer, on_window=metrics.window_closed,
-                          barrier=barrier, grad_sync=grad_sync)
-    latest = ckpt.latest()
-    if latest is not None:
-        trainer.load_state_dict(ckpt.load(latest))
-    else:
-        if rank.rank == 0:   # the drafter can set up and calibrate during the warm-up (it refreshes these later)
-            assert policy.tok_embeddings is not None and policy.output is not None
-            rt.save_shared(embedding=policy.tok_embeddings.weight, lm_head=policy.output.weight,
-                           model_config=target.shared_config())
-        sft_warmup(policy, task, steps=int(os.environ.get("SPECTRAIN_RL_WARMUP_STEPS", "200")), seed=cfg.seed)
-        if rank.world > 1:   # identical start on every rank
-            for p in policy.parameters():
-                dist.broadcast(p.data, 0)
-
-    def save(step: int) -> None:
-        ckpt.save(step, trainer.state_dict())
-        if rank.rank == 0:
-            assert policy.tok_embeddings is not None and policy.output is not None
-            rt.save_shared(embedding=policy.tok_embeddings.weight, lm_head=policy.output.weight,
-                           model_config=target.shared_config())
-
-    if latest is None:
-        save(0)          # the drafter's Eagle head needs the shared embedding / head from the start
-    term = rt.terminator(lambda: save(trainer.step_idx))
-    rewards: list[float] = []
-    try:
-        while trainer.step_idx < t.steps:
-            if term.requested.is_set():
-                rt.exit_terminated(term, save, trainer.step_idx)
-            if opts.drafter_enabled and rl.speculative.enabled:
-                try:
-                    if trainer.reload_drafter(export_dir):
-                        print(f"[spectrain-target] RL step {trainer.step_idx}: rollouts use drafter "
-                              f"{trainer.drafter_version} from {export_dir}", flush=True)
-                except (ConfigError, OSError, RuntimeError, KeyError) as exc:   # a bad export must not stop RL
-                    print(f"spectrain rl: keeping the current drafter, cannot load {export_dir}: {exc}", flush=True)
-            with term.state_lock:      # the emergency save only ever sees a completed step
-                r = trainer.step()
-            rewards.append(r.reward_mean)
-            metrics.step(step=trainer.step_idx, loss=r.loss, step_time_s=r.step_s, tokens=r.tokens,
-                         extra={**r.metrics(), "drafter_version": trainer.drafter_version})
-            if trainer.step_idx % t.checkpoint.every_steps == 0 or trainer.step_idx == t.steps:
-                with term.state_lock:
-                    save(trainer.step_idx)
-    finally:
-        if producer is not None:
-            producer.close()
-        rt.close(barrier=sys.exc_info()[0] is None)    # after an error a peer may never arrive
-    return rewards
-
-
 __all__ = ["GRPOConfig", "GRPOTrainer", "StepResult", "group_advantages", "grpo_loss",
-           "pad_batch", "response_logprobs", "run", "sft_warmup"]
+           "pad_batch", "response_logprobs", "sft_warmup"]

@@ -9,7 +9,8 @@ optimizer update (no gradient accumulation), so no bubbles exist and the ring ge
 Two executions of the same maths:
 - `simulate(...)`: one process, the full model, each stage's stashed versions swapped in through
   `torch.func.functional_call`; for fast experiments (bench/basis_rotation.py).
-- `run(cfg)`: one process per stage (gloo on CPU, nccl on CUDA), 1F1B schedule: d_k warm-up
+- `run(cfg)` (`AsyncPipelineLoop`, on the mode loop of loop.py: resume, checkpoints, SIGTERM,
+  metrics): one process per stage (gloo on CPU, nccl on CUDA), 1F1B schedule: d_k warm-up
   forwards, then forward(t + d_k), backward(t). Activations go down, gradients (and the last
   stage's loss, for rank 0's progress) come back up.
 With `max_staleness=0` both are synchronous training; `simulate` with P=1 is plain training.
@@ -34,9 +35,10 @@ from spectrain_workloads.config import JobConfig
 from spectrain_workloads.contract import preset_model_config
 from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
 from spectrain_workloads.errors import ConfigError
+from spectrain_workloads.loop import ModeLoop, StepReport
 from spectrain_workloads.model import ModelConfig, Transformer
 from spectrain_workloads.optim import build_optimizer
-from spectrain_workloads.runtime import Runtime
+from spectrain_workloads.runtime import RankInfo, TargetOptions
 
 Weights = dict[str, torch.Tensor]
 
@@ -240,16 +242,18 @@ class StageRunner:
             self.stash[t + 1 + self.d] = _snapshot(self.named)              # w_{t+1} serves t+1+d
         return float(loss[0])
 
-    def train(self, start: int, end: int, after_step: Callable[[int, float], None]) -> None:
-        """Minibatches start..end-1: d warm-up forwards, then forward(t + d), backward(t)."""
-        for t in range(start, min(start + self.d, end)):
-            self.forward(t)
-        for t in range(start, end):
-            if t + self.d < end:
-                self.forward(t + self.d)
-            loss = self.backward(t)
-            after_step(t + 1, loss)
-        self._reap(end)
+    def step(self, t: int, start: int, end: int) -> float:
+        """Minibatch t of start..end-1 (1F1B): at t = start the d warm-up forwards, then
+        forward(t + d), backward(t); after the last one, the outstanding sends. -> its loss."""
+        if t == start:
+            for w in range(start, min(start + self.d, end)):
+                self.forward(w)
+        if t + self.d < end:
+            self.forward(t + self.d)
+        loss = self.backward(t)
+        if t + 1 == end:
+            self._reap(end)
+        return loss
 
     def versions(self) -> dict[int, Weights]:
         """Weights of every minibatch not yet applied, forwarded or not (saved in checkpoints)."""
@@ -263,63 +267,79 @@ class StageRunner:
 def run(cfg: JobConfig, *, max_staleness: int | None = None) -> dict[str, Any]:
     """Train this rank's stage (env: docs/contracts.md). Resumes from the newest checkpoint step
     every rank holds; SIGTERM saves at the next step boundary. Returns a small summary."""
-    rt = Runtime.start(cfg)
-    rank, device, P, k = rt.rank.rank, rt.device, rt.rank.world, rt.rank.rank
-    mcfg = preset_model_config(cfg.target.model)
-    data, steps, ck = cfg.target.data, cfg.target.steps, cfg.target.checkpoint
-    module = Transformer.stage(mcfg, k, P).to(device)
-    module.init_weights(cfg.seed)
-    opt = build_optimizer(module, cfg.target.optimizer, stage=k, n_stages=P)
-    corpus = load_corpus(data.source, max_bytes=rt.opts.data_max_bytes)
-    loader = TokenLoader(corpus, LoaderSpec(seq_len=data.seq_len, batch_size=data.batch_size, seed=cfg.seed))
-    runner = StageRunner(
-        module=module, opt=opt, stage=k, n_stages=P, delay=delays(P, max_staleness)[k], batch=loader.batch,
-        total_steps=steps, device=device, hidden_shape=(data.batch_size, data.seq_len, mcfg.dim))
-    start = _resume(rt, runner)
-    producer = rt.ring_producer(hidden_dim=mcfg.dim, seq_len=data.seq_len, publishes=runner.last)
-    if producer is not None and runner.last:
-        runner.on_hidden = _publisher(producer, k)
+    loop = AsyncPipelineLoop(cfg, max_staleness=max_staleness)
+    losses = loop.train()
+    return {"rank": loop.rank.rank, "stage": loop.rank.rank, "start_step": loop.start_step,
+            "steps": cfg.target.steps, "loss": losses[-1] if losses else float("nan")}
 
-    def save(step: int) -> None:
-        rt.ckpt.save(step, {"step": step, "stage": k, "n_stages": P, "model": module.state_dict(),
-                            "optimizer": opt.state_dict(), "versions": runner.versions()})
-        rt.save_shared(embedding=module.tok_embeddings.weight if runner.first and module.tok_embeddings is not None else None,
-                       lm_head=module.output.weight if runner.last and module.output is not None else None,
-                       model_config=mcfg.to_dict() if runner.last else None)
 
-    term = rt.terminator(lambda: None)     # a step in flight spans several versions: save only at boundaries
-    last = {"t": time.perf_counter(), "loss": float("nan")}
+class AsyncPipelineLoop(ModeLoop):
+    """spec.mode AsyncPipeline on one rank: stage k = rank of P = WORLD_SIZE."""
 
-    def after_step(step: int, loss: float) -> None:
+    # A step in flight spans several weight versions: the Terminator's thread cannot save one, so
+    # saves happen only at step boundaries.
+    saves_mid_step = False
+
+    def __init__(self, cfg: JobConfig, opts: TargetOptions | None = None, rank: RankInfo | None = None, *,
+                 max_staleness: int | None = None) -> None:
+        super().__init__(cfg, opts, rank)
+        self.max_staleness = max_staleness
+        self.completed = 0
+
+    def build(self) -> None:
+        cfg, device, P, k = self.cfg, self.rt.device, self.rank.world, self.rank.rank
+        self.mcfg = preset_model_config(cfg.target.model)
+        data = cfg.target.data
+        self.module = Transformer.stage(self.mcfg, k, P).to(device)
+        self.module.init_weights(cfg.seed)
+        self.opt = build_optimizer(self.module, cfg.target.optimizer, stage=k, n_stages=P)
+        corpus = load_corpus(data.source, max_bytes=self.opts.data_max_bytes)
+        loader = TokenLoader(corpus, LoaderSpec(seq_len=data.seq_len, batch_size=data.batch_size, seed=cfg.seed))
+        self.runner = StageRunner(
+            module=self.module, opt=self.opt, stage=k, n_stages=P, delay=delays(P, self.max_staleness)[k],
+            batch=loader.batch, total_steps=cfg.target.steps, device=device,
+            hidden_shape=(data.batch_size, data.seq_len, self.mcfg.dim))
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        runner = self.runner
+        if state["n_stages"] != runner.P:
+            raise ConfigError(f"{self.rt.ckpt.path(state['step'])}: the checkpoint has {state['n_stages']} pipeline "
+                              f"stages, the job {runner.P}; use a new run directory or the old "
+                              "spec.target.parallelism.pipeline")
+        runner.m.load_state_dict(state["model"])
+        runner.opt.load_state_dict(state["optimizer"])
+        runner.stash = {t: {n: w.to(self.rt.device) for n, w in ws.items()} for t, ws in state["versions"].items()}
+        self.completed = int(state["step"])
+
+    def begin(self) -> None:
+        self.producer = self.rt.ring_producer(hidden_dim=self.mcfg.dim, seq_len=self.cfg.target.data.seq_len,
+                                              publishes=self.runner.last)
+        if self.producer is not None and self.runner.last:
+            self.runner.on_hidden = _publisher(self.producer, self.runner.k)
+        self._t_last = time.perf_counter()
+
+    def state(self) -> dict[str, Any]:
+        return {"step": self.completed, "stage": self.runner.k, "n_stages": self.runner.P,
+                "model": self.module.state_dict(), "optimizer": self.opt.state_dict(),
+                "versions": self.runner.versions()}
+
+    def boundary_step(self) -> int:
+        return self.completed
+
+    def write_shared(self) -> None:
+        m, r = self.module, self.runner
+        self.rt.save_shared(embedding=m.tok_embeddings.weight if r.first and m.tok_embeddings is not None else None,
+                            lm_head=m.output.weight if r.last and m.output is not None else None,
+                            model_config=self.mcfg.to_dict() if r.last else None)
+
+    def train_step(self, step: int) -> StepReport:
+        loss = self.runner.step(step, self.start_step, self.cfg.target.steps)
+        self.completed = step + 1
         now = time.perf_counter()
-        dt, last["t"], last["loss"] = now - last["t"], now, loss
-        rt.metrics.step(step=step, loss=loss, step_time_s=dt, tokens=data.batch_size * data.seq_len,
-                        extra={"stage": k, "staleness": runner.d}, final=step == steps)
-        if step % ck.every_steps == 0 or step == steps:
-            save(step)
-        if term.requested.is_set():
-            rt.exit_terminated(term, save, step)
-
-    runner.train(start, steps, after_step)
-    if producer is not None:
-        producer.close()
-    rt.close()
-    return {"rank": rank, "stage": k, "start_step": start, "steps": steps, "loss": last["loss"]}
-
-
-def _resume(rt: Runtime, runner: StageRunner) -> int:
-    """Load the newest checkpoint step that every rank holds; 0 when there is none."""
-    start = rt.resume_step()
-    if start == 0:
-        return 0
-    state = rt.ckpt.load(start)
-    if state["n_stages"] != runner.P:
-        raise ConfigError(f"{rt.ckpt.path(start)}: the checkpoint has {state['n_stages']} pipeline stages, the job "
-                          f"{runner.P}; use a new run directory or the old spec.target.parallelism.pipeline")
-    runner.m.load_state_dict(state["model"])
-    runner.opt.load_state_dict(state["optimizer"])
-    runner.stash = {t: {n: w.to(rt.device) for n, w in ws.items()} for t, ws in state["versions"].items()}
-    return start
+        dt, self._t_last = now - self._t_last, now
+        data = self.cfg.target.data
+        return StepReport(loss=loss, step_time_s=dt, tokens=data.batch_size * data.seq_len,
+                          extra={"stage": self.runner.k, "staleness": self.runner.d})
 
 
 def _publisher(producer: Any, stage: int) -> Callable[[int, torch.Tensor, torch.Tensor], None]:

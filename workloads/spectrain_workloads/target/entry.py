@@ -7,8 +7,9 @@ LOCAL_WORLD_SIZE > 1 and no LOCAL_RANK this process spawns one child per local r
 (RANK = base + i, LOCAL_RANK = i), forwards SIGTERM/SIGINT to them, stops the others when one
 fails, and exits with the first failure's code.
 
-Dispatch on spec.mode: Pretrain -> spectrain_workloads.target.trainer; RL -> spectrain_workloads.rl.grpo.run;
-AsyncPipeline -> spectrain_workloads.target.async_pipeline.run (imported lazily).
+Dispatch on spec.mode through `MODES`: each mode is a `loop.ModeLoop` (the one loop that owns
+resume, checkpoints, SIGTERM and metrics), imported lazily so that a configuration error exits
+before torch is imported.
 
 Exit codes (spectrain_workloads.exitcodes): 0 success, 2 configuration error (a message naming
 the field, before any training), 143 after a SIGTERM (checkpoint saved), 1 / 86 other errors.
@@ -21,11 +22,29 @@ import signal
 import subprocess
 import sys
 import traceback
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from spectrain_workloads.contract import ASYNC_PIPELINE, EXIT_CONFIG, EXIT_OK, RL, require_valid
+from spectrain_workloads.contract import ASYNC_PIPELINE, EXIT_CONFIG, EXIT_OK, PRETRAIN, RL, require_valid
 from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.exitcodes import exit_code_for, returncode_to_exit
+
+if TYPE_CHECKING:
+    from spectrain_workloads.loop import ModeLoop
+
+# spec.mode -> "module:class" of its ModeLoop.
+MODES: dict[str, str] = {
+    PRETRAIN: "spectrain_workloads.target.trainer:PretrainLoop",
+    RL: "spectrain_workloads.rl.mode:RLLoop",
+    ASYNC_PIPELINE: "spectrain_workloads.target.async_pipeline:AsyncPipelineLoop",
+}
+
+
+def mode_loop(mode: str) -> type[ModeLoop]:
+    """The ModeLoop class of spec.mode `mode` (imported now; require_valid has checked the mode)."""
+    module, _, name = MODES[mode].partition(":")
+    cls: type[ModeLoop] = getattr(import_module(module), name)
+    return cls
 
 
 def _log(msg: str) -> None:
@@ -94,19 +113,7 @@ def run_rank() -> int:
     block_sigterm()
     cfg = config.load()
     require_valid(cfg)          # the rules `spectrain validate` applies, before any training
-    if cfg.mode == RL:
-        from spectrain_workloads.rl import grpo
-
-        grpo.run(cfg)
-    elif cfg.mode == ASYNC_PIPELINE:
-        from spectrain_workloads.target import async_pipeline
-
-        async_pipeline.run(cfg)
-    else:
-        from spectrain_workloads.runtime import RankInfo, TargetOptions
-        from spectrain_workloads.target.trainer import train
-
-        train(cfg, TargetOptions.from_env(), RankInfo.from_env())
+    mode_loop(cfg.mode)(cfg).train()
     return EXIT_OK
 
 

@@ -10,16 +10,17 @@ one checkpoint per rank over all of them, as an `nn.ModuleList`). Gradient accum
 microbatches, one optimizer step per step; DDP (gloo on CPU, nccl on CUDA) averages gradients
 across replicas per stage.
 
-Per step: `StageExecutor.run` (pipeline.py), optimizer step, the loss travels from the last stage
-of replica 0 to rank 0 (progress), metrics, and every `checkpoint.everySteps` a checkpoint plus
-the shared embedding / LM head files. Checkpoint step N means "N steps done"; a resumed run
+Per step (`PretrainLoop.train_step`): `StageExecutor.run` (pipeline.py), optimizer step, the loss
+travels from the last stage of replica 0 to rank 0 (progress). Metrics, checkpoints every
+`checkpoint.everySteps` (plus the shared embedding / LM head files), resume and SIGTERM are the
+mode loop's (loop.py); the process groups are topology.py's. Checkpoint step N means "N steps done"; a resumed run
 continues with step N and reproduces the uninterrupted run bitwise on CPU.
 
 An HF target with tied embeddings split across stages keeps its two copies (first stage's embedding,
 last stage's head) equal by summing their gradients over a [first, last] group before each
 optimizer step; at the end its stages write the trained model in Hugging Face's layout (hf.save).
 
-Setup, checkpoints, metrics, the ring and SIGTERM are the shared runtime's (spectrain_workloads.runtime);
+Setup, checkpoints, metrics and the ring are the shared runtime's (spectrain_workloads.runtime);
 the windows and their predictions, the DDP comm hook and the data publisher are harvest/'s, the
 components the hooks API drives in a user's trainer.
 """
@@ -38,14 +39,15 @@ from spectrain_workloads.checkpoint import rng_state, set_rng_state
 from spectrain_workloads.config import JobConfig
 from spectrain_workloads.contract import require_valid
 from spectrain_workloads.data import LoaderSpec, TokenLoader, resolve_source
-from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.harvest.comm_hook import make_comm_hook
 from spectrain_workloads.harvest.imbalance_watch import block_alarm_in_new_threads, unblock_alarm
 from spectrain_workloads.harvest.instrument import Instrument, InstrumentOptions, instrumented_step
 from spectrain_workloads.harvest.schedule import Schedule
+from spectrain_workloads.loop import ModeLoop, StepReport
 from spectrain_workloads.model import ModelConfig
 from spectrain_workloads.runtime import RankInfo, Runtime, TargetOptions
 from spectrain_workloads.target.pipeline import StageExecutor
+from spectrain_workloads.target.topology import Topology
 from spectrain_workloads.target_model import TargetModel, resolve_target
 
 _LOSS_TAG = 1 << 20
@@ -61,16 +63,17 @@ class TrainingLayout:
     data: int
     pipeline: int
 
+    @property
+    def topology(self) -> Topology:
+        return Topology(data=self.data, pipeline=self.pipeline, chunks=self.schedule.chunks)
+
 
 def make_layout(cfg: JobConfig, world: int) -> TrainingLayout:
     """The layout of a Pretrain run on `world` ranks; ConfigError naming the field on bad input
     (every rule of `contract.check_spec`, the actual WORLD_SIZE, the data source's existence)."""
     require_valid(cfg)
     t, par = cfg.target, cfg.target.parallelism
-    if par.data * par.pipeline != world:
-        raise ConfigError(
-            f"spec.target.parallelism: data ({par.data}) x pipeline ({par.pipeline}) = {par.data * par.pipeline} "
-            f"but WORLD_SIZE is {world}; run nodes x procsPerNode = {cfg.world_size} ranks")
+    Topology(data=par.data, pipeline=par.pipeline).check(world, world_size_hint=cfg.world_size)
     target = resolve_target(cfg)
     schedule = Schedule(name=par.schedule, n_stages=par.pipeline, microbatches=par.microbatches)
     resolve_source(t.data.source)
@@ -80,170 +83,167 @@ def make_layout(cfg: JobConfig, world: int) -> TrainingLayout:
 
 def train(cfg: JobConfig, opts: TargetOptions, rank: RankInfo) -> list[float | None]:
     """Run (or resume) the Pretrain job on this rank; returns this rank's per-step losses."""
-    plan = make_layout(cfg, rank.world)
-    t = cfg.target
-    P, D = plan.pipeline, plan.data
-    block_alarm_in_new_threads()     # the Instrument's imbalance alarm goes to this thread only
-    stage, replica = rank.rank % P, rank.rank // P
-    corpus = plan.target.load_corpus(t.data.source, max_bytes=opts.data_max_bytes)
-    loader = TokenLoader(corpus, LoaderSpec(seq_len=t.data.seq_len, batch_size=t.data.batch_size,
-                                            data_parallel=D, replica=replica, seed=cfg.seed, skew=opts.skew))
-    rt = Runtime.start(cfg, opts, rank)
-    device = rt.device
-    dp_group = fwd_group = bwd_group = None
-    for s in range(P):   # every rank creates every group, in the same order
-        g = dist.new_group([d * P + s for d in range(D)]) if D > 1 else None
-        if s == stage:
-            dp_group = g
-    if P > 1:
-        fwd_group, bwd_group = dist.new_group(list(range(rank.world))), dist.new_group(list(range(rank.world)))
-    tied_group = None   # an HF target with tied embeddings split across stages: its first and last stage
-    if plan.target.is_hf and plan.model.tie_embeddings and P > 1:
-        for d in range(D):
-            g = dist.new_group([d * P, d * P + P - 1])
-            if d == replica and stage in (0, P - 1):
-                tied_group = g
-    fwd_wrap = bwd_wrap = None
-    if P > 1 and plan.schedule.chunks > 1:   # interleaved: the ring's wrap-around link gets its own groups
-        fwd_wrap, bwd_wrap = dist.new_group(list(range(rank.world))), dist.new_group(list(range(rank.world)))
+    return PretrainLoop(cfg, opts, rank).train()
 
-    V = plan.schedule.chunks                       # model chunks per rank (Interleaved1F1B: > 1)
-    chunks = [plan.target.build_stage(c * P + stage, P * V) for c in range(V)]
-    module: torch.nn.Module = chunks[0] if V == 1 else torch.nn.ModuleList(chunks)
-    module.to(device)
-    from spectrain_workloads.optim import build_optimizer
 
-    opt = build_optimizer(module, t.optimizer, stage=stage, n_stages=P)
-    ckpt = rt.ckpt
-    start = rt.resume_step()
-    if start > 0:
-        state = ckpt.load(start)
-        module.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+class PretrainLoop(ModeLoop):
+    """spec.mode Pretrain on one rank: stage `rank % P` of replica `rank // P`."""
+
+    metrics_step_offset = 0
+
+    def prepare(self) -> None:
+        cfg, t = self.cfg, self.cfg.target
+        self.plan = plan = make_layout(cfg, self.rank.world)
+        self.P, self.D = plan.pipeline, plan.data
+        block_alarm_in_new_threads()     # the Instrument's imbalance alarm goes to this thread only
+        self.stage, self.replica = self.rank.rank % self.P, self.rank.rank // self.P
+        corpus = plan.target.load_corpus(t.data.source, max_bytes=self.opts.data_max_bytes)
+        self.loader = TokenLoader(corpus, LoaderSpec(seq_len=t.data.seq_len, batch_size=t.data.batch_size,
+                                                     data_parallel=self.D, replica=self.replica, seed=cfg.seed,
+                                                     skew=self.opts.skew))
+
+    def build(self) -> None:
+        from spectrain_workloads.optim import build_optimizer
+
+        plan, P, stage = self.plan, self.P, self.stage
+        self.groups = plan.topology.build_groups(self.rank, tied=plan.target.is_hf and plan.model.tie_embeddings)
+        V = plan.schedule.chunks                       # model chunks per rank (Interleaved1F1B: > 1)
+        self.chunks = [plan.target.build_stage(c * P + stage, P * V) for c in range(V)]
+        self.module: torch.nn.Module = self.chunks[0] if V == 1 else torch.nn.ModuleList(self.chunks)
+        self.module.to(self.rt.device)
+        self.opt = build_optimizer(self.module, self.cfg.target.optimizer, stage=stage, n_stages=P)
+        self.last = stage == P - 1
+        self._build_harvest()
+        self.executor = self._build_executor()
+        self.boundary: dict[str, Any] = {"step": 0, "rng": rng_state()}
+        self.loss_buf = torch.zeros((), dtype=torch.float32, device=self.rt.device)
+        self.loss_send: Any = None     # the last stage's previous loss isend (rank 0 receives it after its step)
+
+    def _build_harvest(self) -> None:
+        """The ring, the Instrument (windows) and, on the last stage, the data publisher."""
+        opts, t = self.opts, self.cfg.target
+        ring_lock = threading.Lock()
+        self.producer = self.rt.ring_producer(hidden_dim=self.plan.model.dim, seq_len=t.data.seq_len,
+                                              publishes=self.last)
+        self.instr = Instrument(rank=self.rank.rank, stage=self.stage, producer=self.producer,
+                                sink=self.rt.metrics.window_closed, producer_lock=ring_lock,
+                                opts=InstrumentOptions(enabled=opts.instrument,
+                                                       imbalance_min_ns=int(opts.imbalance_min_ms * 1e6)))
+        self.publisher = None
+        if self.producer is not None and self.last and opts.publish_fraction > 0:
+            from spectrain_workloads.harvest.data_publisher import DataPublisher
+
+            self.publisher = DataPublisher(self.producer, fraction=opts.publish_fraction, stage=self.stage,
+                                           lock=ring_lock)
+
+    def _build_executor(self) -> StageExecutor:
+        """DDP around each chunk (when D > 1), then the stage's schedule executor."""
+        g, device, V, P, stage = self.groups, self.rt.device, len(self.chunks), self.P, self.stage
+        stage_mods: list[torch.nn.Module] = list(self.chunks)
+        if g.dp is not None:
+            for c, chunk in enumerate(self.chunks):
+                ddp = torch.nn.parallel.DistributedDataParallel(
+                    chunk, process_group=g.dp, forward_sync_buffers=False, bucket_cap_mb=self.opts.bucket_cap_mb,
+                    device_ids=[device.index] if device.type == "cuda" else None)
+                ddp.register_comm_hook(g.dp, make_comm_hook(self.instr, "dp-bucket-" if V == 1 else f"dp-bucket-c{c}-"))
+                stage_mods[c] = ddp
+        r = self.rank.rank
+        if V == 1:
+            prev_rank, next_rank = (r - 1 if stage > 0 else None), (r + 1 if not self.last else None)
+        else:   # neighbours in the ring of this replica's stages: chunks go round it
+            prev_rank, next_rank = self.replica * P + (stage - 1) % P, self.replica * P + (stage + 1) % P
+        return StageExecutor(
+            module=stage_mods[0] if V == 1 else stage_mods, schedule=self.plan.schedule, stage=stage,
+            instrument=self.instr, prev_rank=prev_rank, next_rank=next_rank,
+            fwd_group=g.fwd, bwd_group=g.bwd, fwd_wrap_group=g.fwd_wrap, bwd_wrap_group=g.bwd_wrap,
+            dim=self.plan.model.dim, device=device,
+            on_hidden=self.publisher.submit if self.publisher is not None else None)
+
+    def fresh_start(self) -> None:
+        self.loader.load_state_dict({"step": 0})
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
-        loader.load_state_dict(state["loader"])
-    else:
-        loader.load_state_dict({"step": 0})
+        self.loader.load_state_dict(state["loader"])
+        self.boundary = {"step": int(state["step"]), "rng": rng_state()}
 
-    last = stage == P - 1
-    metrics = rt.metrics
-    ring_lock = threading.Lock()
-    producer = rt.ring_producer(hidden_dim=plan.model.dim, seq_len=t.data.seq_len, publishes=last)
-    instr = Instrument(rank=rank.rank, stage=stage, producer=producer, sink=metrics.window_closed,
-                       producer_lock=ring_lock,
-                       opts=InstrumentOptions(enabled=opts.instrument,
-                                              imbalance_min_ns=int(opts.imbalance_min_ms * 1e6)))
-    publisher = None
-    if producer is not None and last and opts.publish_fraction > 0:
-        from spectrain_workloads.harvest.data_publisher import DataPublisher
+    def state(self) -> dict[str, Any]:
+        b = self.boundary
+        return {"step": b["step"], "model": self.module.state_dict(), "optimizer": self.opt.state_dict(),
+                "rng": b["rng"], "loader": {"step": b["step"]}, "rank": self.rank.rank,
+                "stage": self.stage, "replica": self.replica}
 
-        publisher = DataPublisher(producer, fraction=opts.publish_fraction, stage=stage, lock=ring_lock)
-    stage_mods: list[torch.nn.Module] = list(chunks)
-    if dp_group is not None:
-        for c, chunk in enumerate(chunks):
-            ddp = torch.nn.parallel.DistributedDataParallel(
-                chunk, process_group=dp_group, forward_sync_buffers=False, bucket_cap_mb=opts.bucket_cap_mb,
-                device_ids=[device.index] if device.type == "cuda" else None)
-            ddp.register_comm_hook(dp_group, make_comm_hook(instr, "dp-bucket-" if V == 1 else f"dp-bucket-c{c}-"))
-            stage_mods[c] = ddp
-    if V == 1:
-        prev_rank = rank.rank - 1 if stage > 0 else None
-        next_rank = rank.rank + 1 if not last else None
-    else:   # neighbours in the ring of this replica's stages: chunks go round it
-        prev_rank, next_rank = replica * P + (stage - 1) % P, replica * P + (stage + 1) % P
-    executor = StageExecutor(
-        module=stage_mods[0] if V == 1 else stage_mods, schedule=plan.schedule, stage=stage, instrument=instr,
-        prev_rank=prev_rank, next_rank=next_rank,
-        fwd_group=fwd_group, bwd_group=bwd_group, fwd_wrap_group=fwd_wrap, bwd_wrap_group=bwd_wrap,
-        dim=plan.model.dim, device=device,
-        on_hidden=publisher.submit if publisher is not None else None)
+    def boundary_step(self) -> int:
+        return int(self.boundary["step"])
 
-    boundary = {"step": start, "rng": rng_state()}
+    def write_shared(self) -> None:
+        if self.replica != 0:
+            return
+        head, tail = self.chunks[0], self.chunks[-1]    # embedding: virtual stage 0; LM head: the last one
+        self.rt.save_shared(embedding=head.tok_embeddings.weight if head.tok_embeddings is not None else None,
+                            lm_head=tail.output.weight if tail.output is not None else None,
+                            model_config=self.plan.target.shared_config() if self.last else None)
 
-    def state_at_boundary() -> dict[str, Any]:
-        return {"step": boundary["step"], "model": module.state_dict(), "optimizer": opt.state_dict(),
-                "rng": boundary["rng"], "loader": {"step": boundary["step"]}, "rank": rank.rank,
-                "stage": stage, "replica": replica}
+    def begin(self) -> None:
+        self.write_shared()       # the drafter needs the embedding / LM head from the start
+        unblock_alarm()           # every thread of the run exists now
 
-    def write_shared() -> None:
-        head, tail = chunks[0], chunks[-1]    # embedding: virtual stage 0; LM head: the last one
-        rt.save_shared(embedding=head.tok_embeddings.weight if head.tok_embeddings is not None else None,
-                       lm_head=tail.output.weight if tail.output is not None else None,
-                       model_config=plan.target.shared_config() if last else None)
-
-    def save(step: int) -> None:
-        ckpt.save(step, state_at_boundary())
-        if replica == 0:
-            write_shared()
-
-    if replica == 0:
-        # The drafter needs the embedding / LM head from the start, not from the first checkpoint.
-        write_shared()
-    term = rt.terminator(lambda: save(boundary["step"]))
-    unblock_alarm()                  # every thread of the run exists now
-    losses: list[float | None] = []
-    loss_buf = torch.zeros((), dtype=torch.float32, device=device)
-    loss_send: Any = None     # the last stage's previous loss isend (rank 0 receives it after its step)
-    tokens_per_step = t.data.batch_size * D   # sequences; times T below
-    for step in range(start, t.steps):
-        if term.requested.is_set():
-            rt.exit_terminated(term, save, boundary["step"])
+    def train_step(self, step: int) -> StepReport:
+        t, opts = self.cfg.target, self.opts
         t0 = time.monotonic()
-        instr.enabled = opts.instrument and instrumented_step(step, opts.instrument_interleave)
-        inputs, targets = loader.batch(step)
+        self.instr.enabled = opts.instrument and instrumented_step(step, opts.instrument_interleave)
+        inputs, targets = self.loader.batch(step)
         try:
             t_pipe = time.monotonic_ns()
-            out = executor.run(step, inputs, targets)
+            out = self.executor.run(step, inputs, targets)
             pipeline_ns = time.monotonic_ns() - t_pipe
         except Exception:
             # A peer that saw SIGTERM first has left mid-step and gloo reports the closed
             # connection: save the last completed step like everyone else and go. Our own SIGTERM
             # is normally on its way (pods are stopped together), so give it a moment.
-            if term.requested.wait(timeout=min(5.0, opts.term_grace_s / 4)):
-                rt.exit_terminated(term, save, boundary["step"])
+            if self.term.requested.wait(timeout=min(5.0, opts.term_grace_s / 4)):
+                self.exit_terminated(self.boundary_step())
             raise
-        if tied_group is not None:   # one tied matrix in two places: both take the sum of their gradients
-            tied = chunks[0].tok_embeddings if stage == 0 else chunks[-1].output
-            dist.all_reduce(tied.weight.grad, group=tied_group)
-        with term.state_lock:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            boundary["step"], boundary["rng"] = step + 1, rng_state()
-        loss = out.loss
-        if P > 1 and replica == 0 and last:
+        if self.groups.tied is not None:   # one tied matrix in two places: both take the sum of their gradients
+            tied = self.chunks[0].tok_embeddings if self.stage == 0 else self.chunks[-1].output
+            dist.all_reduce(tied.weight.grad, group=self.groups.tied)
+        with self.term.state_lock:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.boundary["step"], self.boundary["rng"] = step + 1, rng_state()
+        loss = self._gather_loss(out.loss)
+        extra = {"stage": self.stage, "replica": self.replica, "seq_len": inputs.size(1),
+                 "forward_ms": sum(out.forward_ns) / 1e6, "backward_ms": sum(out.backward_ns) / 1e6,
+                 "pipeline_ms": pipeline_ns / 1e6, "instrumented": self.instr.enabled}
+        return StepReport(loss=loss, step_time_s=time.monotonic() - t0,
+                          tokens=t.data.batch_size * self.D * inputs.size(1), extra=extra)
+
+    def _gather_loss(self, loss: float | None) -> float | None:
+        """The step's loss travels from the last stage of replica 0 to rank 0 (progress)."""
+        if self.P > 1 and self.replica == 0 and self.last:
             # Non-blocking: a blocking send would wait for rank 0 to finish its step, and that
             # wait (the last stage's cool-down idle time) would vanish from its Bubble windows.
-            if loss_send is not None:
-                loss_send.wait()          # long done: rank 0 received it at the end of the last step
-            loss_buf.fill_(loss)
-            loss_send = dist.isend(loss_buf, 0, tag=_LOSS_TAG)
-        elif P > 1 and rank.rank == 0:
-            dist.recv(loss_buf, P - 1, tag=_LOSS_TAG)
-            loss = float(loss_buf)
-        losses.append(loss)
-        dt = time.monotonic() - t0
-        metrics.step(step=step, loss=loss, step_time_s=dt, tokens=tokens_per_step * inputs.size(1),
-                     extra={"stage": stage, "replica": replica, "seq_len": inputs.size(1),
-                            "forward_ms": sum(out.forward_ns) / 1e6, "backward_ms": sum(out.backward_ns) / 1e6,
-                            "pipeline_ms": pipeline_ns / 1e6, "instrumented": instr.enabled},
-                     final=step + 1 == t.steps)
-        if (step + 1) % t.checkpoint.every_steps == 0 or step + 1 == t.steps:
-            with term.state_lock:
-                save(step + 1)
-    if loss_send is not None:
-        loss_send.wait()
-    if term.requested.is_set():
-        rt.exit_terminated(term, save, boundary["step"])
-    if plan.target.is_hf:
-        save_hf_layout(plan, chunks, rt, stage=stage, replica=replica)
-    executor.close()
-    if publisher is not None:
-        publisher.close()
-    instr.close()
-    if producer is not None:
-        producer.close()
-    rt.close()
-    return losses
+            if self.loss_send is not None:
+                self.loss_send.wait()          # long done: rank 0 received it at the end of the last step
+            self.loss_buf.fill_(loss)
+            self.loss_send = dist.isend(self.loss_buf, 0, tag=_LOSS_TAG)
+        elif self.P > 1 and self.rank.rank == 0:
+            dist.recv(self.loss_buf, self.P - 1, tag=_LOSS_TAG)
+            loss = float(self.loss_buf)
+        return loss
+
+    def finish(self) -> None:
+        if self.loss_send is not None:
+            self.loss_send.wait()
+        if self.plan.target.is_hf:
+            save_hf_layout(self.plan, self.chunks, self.rt, stage=self.stage, replica=self.replica)
+        # Here and not in close(): draining the sends after a failure could wait on a peer that left.
+        self.executor.close()
+        if self.publisher is not None:
+            self.publisher.close()
+        self.instr.close()
 
 
 def save_hf_layout(plan: TrainingLayout, chunks: list[torch.nn.Module], rt: Runtime, *, stage: int,
