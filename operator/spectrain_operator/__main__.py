@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--leader-elect needs --lease-namespace (or SPECTRAIN_OPERATOR_NAMESPACE)")
     if args.lease_duration < 3:
         ap.error(f"--lease-duration must be at least 3 s, not {args.lease_duration}")
+    if args.qps < 0:
+        ap.error(f"--qps must be 0 (unlimited) or positive, not {args.qps} (env SPECTRAIN_API_QPS)")
     if args.qps > 0 and args.burst < 1:
         ap.error(f"--burst must be at least 1 with --qps {args.qps}")
     return args
