@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import print_table, write_results
-from spectrain_workloads.config import BasisRotationSpec, OptimizerSpec
+from spectrain_api.config import BasisRotationSpec, OptimizerSpec
 from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
 from spectrain_workloads.model import ModelConfig, Transformer
 from spectrain_workloads.optim import BETAS, EPS, WEIGHT_DECAY, PipeDreamLR, build_optimizer, param_groups

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from bench.common import parse_args, print_table, write_results
-from spectrain_workloads.contract import model_config
+from spectrain_api.config import model_config
 from spectrain_workloads.drafter.models import build_drafter, eagle_loss
 from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.drafter.synthetic import make_target, target_hidden, text_sequences

@@ -131,7 +131,7 @@ def acceptance(data: Path, target: Any = None) -> tuple[float, float]:
 
 def _sender(ports: list[int], key: bytes, mac: bool, stop: Any) -> None:
     """The last stage's side, a process of its own: debug-target samples as fast as the cap lets them go."""
-    from spectrain_workloads.contract import model_config
+    from spectrain_api.config import model_config
     from spectrain_workloads.drafter.fleet import Fleet, FleetConfig
 
     torch.set_num_threads(1)
@@ -153,7 +153,7 @@ def _throughput(mac: bool, seconds: float) -> tuple[float, float]:
     does not change."""
     import multiprocessing as mp
 
-    from spectrain_workloads.contract import model_config
+    from spectrain_api.config import model_config
     from spectrain_workloads.drafter.checks import TargetSpec
     from spectrain_workloads.drafter.fleet import Fleet, FleetConfig
     from spectrain_workloads.drafter.models import EagleDrafter, eagle_loss

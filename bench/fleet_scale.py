@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from bench.common import parse_args, print_table, write_results
-from spectrain_workloads.contract import model_config
+from spectrain_api.config import model_config
 from spectrain_workloads.drafter.allreduce import Combiner, start_store
 from spectrain_workloads.drafter.models import build_drafter
 from spectrain_workloads.drafter.settings import DrafterSettings

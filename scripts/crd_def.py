@@ -3,8 +3,8 @@ crds/spectrain.io_spectrainjobs.yaml (the committed artifact everything else rea
 `spectrain validate`, the chart, docs/api.md). Edit here, run `python scripts/gen.py`, commit both.
 
 Helpers keep every field's description next to its type and bounds; API.md is the contract. The
-enums come from `spectrain_workloads.contract` and the defaults of every field the workloads read
-from `spectrain_workloads.config`'s dataclasses (`workload_defaults`): a default written here too
+enums come from `spectrain_api.names` and the defaults of every field the workloads read
+from `spectrain_api.config`'s dataclasses (`workload_defaults`): a default written here too
 must be the same, or generation fails.
 """
 
@@ -14,9 +14,10 @@ import dataclasses
 import re
 from typing import Any, get_type_hints
 
-from spectrain_workloads import config as W
-from spectrain_workloads import contract as C
-from spectrain_workloads.contract import GROUP, KIND, PLURAL, VERSION
+from spectrain_api import config as W
+from spectrain_api import names as C
+from spectrain_api.names import GROUP, KIND, PLURAL, VERSION
+from spectrain_api.volumes import HUB_ID_HINT
 
 # Longest child-name suffix the operator uses is "-config"/"-status" (7) and pods "-<node>" with
 # node < 1024 (5); gang/DRA objects add up to "-<node>-gpu" (9). 63 - 11 leaves 52 characters.
@@ -253,7 +254,7 @@ def spec_schema() -> dict[str, Any]:
                       minLength=1, maxLength=1024, **{"x-kubernetes-validations": [
                           rule("self.startsWith('file:///') || self.startsWith('pvc://')",
                                "spec.target.model.path must be file:///abs/dir or pvc://<claim>/<path>; "
-                               + C.HUB_ID_HINT)]}),
+                               + HUB_ID_HINT)]}),
             "overrides": o("Free-form model config overrides of a preset, preserved as given.",
                            **{"x-kubernetes-preserve-unknown-fields": True}),
         }, default={}, rules=[
@@ -551,7 +552,7 @@ def workload_defaults(node: dict[str, Any], cls: type, path: str, skip: tuple[st
         value = list(value) if isinstance(value, tuple) else value
         if "default" in prop and prop["default"] != value:
             raise ValueError(f"{path}.{key}: default {prop['default']!r} here, {value!r} in "
-                             f"{cls.__name__}.{f.name}: keep the one in spectrain_workloads/config.py")
+                             f"{cls.__name__}.{f.name}: keep the one in operator/spectrain_api/config.py")
         prop["default"] = value
 
 

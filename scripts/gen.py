@@ -18,7 +18,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "workloads"))   # spectrain_workloads.contract / config: torch-free
+sys.path.insert(0, str(ROOT / "operator"))   # spectrain_api: torch-free
 
 import crd_def  # noqa: E402
 import dashboard  # noqa: E402

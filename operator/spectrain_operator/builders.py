@@ -18,16 +18,9 @@ import copy
 import json
 from typing import Any
 
-from spectrain_operator import spec as specmod
-from spectrain_operator.objects import (
-    LABEL_JOB,
-    Obj,
-    job_labels,
-    owner_reference,
-)
-from spectrain_operator.objects import child_metadata as _meta
-from spectrain_workloads.contract import (
+from spectrain_api.names import (
     ANNOTATION_DRAFTER_DISABLED,
+    API_VERSION,
     ENV_CONFIG,
     ENV_DATA_ROOT,
     ENV_DEVICE,
@@ -47,7 +40,16 @@ from spectrain_workloads.contract import (
     ENV_RUN_DIR,
     IMAGE_GID,
     IMAGE_UID,
+    KIND,
 )
+from spectrain_operator import spec as specmod
+from spectrain_operator.objects import (
+    LABEL_JOB,
+    Obj,
+    job_labels,
+    owner_reference,
+)
+from spectrain_operator.objects import child_metadata as _meta
 
 LABEL_NODE = "spectrain.io/node-index"
 LABEL_GENERATION = "spectrain.io/restart-generation"
@@ -159,8 +161,8 @@ def selector(job: Obj) -> str:
 # ---------------------------------------------------------------- non-pod children
 
 def workload_config(job: Obj) -> Obj:
-    """The rendered workload config (shape: spectrain_workloads.config)."""
-    return {"apiVersion": specmod.API_VERSION, "kind": specmod.KIND,
+    """The rendered workload config (shape: spectrain_api.config)."""
+    return {"apiVersion": API_VERSION, "kind": KIND,
             "metadata": {"name": job["metadata"]["name"], "namespace": job["metadata"].get("namespace", "default")},
             "spec": copy.deepcopy(job["spec"])}
 

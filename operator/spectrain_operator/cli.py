@@ -73,16 +73,43 @@ def _run(args: argparse.Namespace) -> int:
     return int(run_main(args))
 
 
-def _report(args: argparse.Namespace) -> int:
-    from spectrain_workloads.report import main as report_main  # lazy: matplotlib
+WORKLOADS_MISSING = ("spectrain {command} runs the workloads, which this installation lacks (the operator image "
+                     "ships none): install them with pip install 'spectrain[workloads]'")
 
+
+def _report(args: argparse.Namespace) -> int:
+    try:
+        from spectrain_workloads.report import main as report_main  # lazy: matplotlib
+    except ImportError as exc:
+        raise SystemExit(f"{WORKLOADS_MISSING.format(command='report')} ({exc})") from exc
     return int(report_main(args) or 0)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from spectrain_workloads.generate import main as generate_main  # lazy: torch, transformers
-
+    try:
+        from spectrain_workloads.generate import main as generate_main  # lazy: torch, transformers
+    except ImportError as exc:
+        raise SystemExit(f"{WORKLOADS_MISSING.format(command='generate')} ({exc})") from exc
     return int(generate_main(args))
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    """`spectrain generate`'s flags (spectrain_workloads.generate reads them)."""
+    p.add_argument("--model", required=True, help="Hugging Face model directory (the target)")
+    p.add_argument("--drafter", required=True, help="drafter export root or v<N> directory")
+    p.add_argument("--prompt", default=None, help="one prompt")
+    p.add_argument("--prompts", default=None, help="file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-tokens", type=int, default=4,
+                   help="most drafted tokens per verification (1..32); the adaptive controller picks 0..K per step")
+    p.add_argument("--compare", action="store_true",
+                   help="also decode without the drafter: speedup_vs_plain (median of interleaved pairs, warm-up excluded)")
+    p.add_argument("--repeats", type=int, default=5, help="--compare: interleaved speculative/plain pairs (default 5)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,9 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dir", metavar="RUN_DIR")
     rep.set_defaults(func=_report)
     gen = sub.add_parser("generate", help="lossless speculative decoding: an HF model + an exported drafter")
-    from spectrain_workloads.generate import add_arguments  # torch-free at import
-
-    add_arguments(gen)
+    add_generate_arguments(gen)
     gen.set_defaults(func=_generate)
     return ap
 

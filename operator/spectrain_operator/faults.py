@@ -11,10 +11,10 @@ tell three things apart, from nothing but the pod's status:
   together (finishedAt within ``MPS_LOSS_WINDOW_S``) both with GPU-fault exits. When the drafter
   died first, or only the target reports being terminated by the MPS server, the loss is
   attributed to the drafter (``caused_by_drafter``). In SingleContainer mode the supervisor
-  writes its verdict (JSON, see spectrain_workloads.supervisor) as the target container's
+  writes its verdict (JSON, spectrain_api.verdict) as the target container's
   termination message and that verdict is used instead.
 
-Exit-code conventions (spectrain_workloads.contract defines them; the workloads follow them):
+Exit-code conventions (spectrain_api.names defines them; the workloads follow them):
 
 | code | meaning |
 |---|---|
@@ -38,7 +38,7 @@ ConfigError, never restart it, since the same spec fails the same way; only a de
 cannot name it). A drafter's ``EXIT_PEER_FRAME`` (87: a peer's frame ended it) is always
 ``Ignore``: it is counted apart (status.drafterPeerFailures) and never toward maxFailures. It does not count restarts: applying maxRestarts to RestartJob is the caller's job.
 The workloads write their fatal error line as the termination message
-(spectrain_workloads.exitcodes.write_termination_message; the builders set
+(spectrain_api.exitcodes.write_termination_message; the builders set
 ``terminationMessagePolicy: FallbackToLogsOnError``, so without one the kubelet puts the log's tail
 there): ``PodFault.message`` carries it.
 Classification is stateless: a drafter fault stays visible in ``lastState`` after the sidecar
@@ -48,11 +48,13 @@ the passes apart.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from datetime import datetime
 
+from spectrain_api.exitcodes import GPU_FAULT_TEXT
+from spectrain_api.names import EXIT_CONFIG, EXIT_OK, EXIT_PEER_FRAME, GPU_FAULT_EXIT_CODES, MPS_LOSS_WINDOW_S
+from spectrain_api.verdict import SupervisorVerdict
 from spectrain_operator.objects import DRAFTER, MPS_DAEMON, TARGET
 from spectrain_operator.pods import (
     container_status,
@@ -60,15 +62,6 @@ from spectrain_operator.pods import (
     last_termination,
     parse_time,
 )
-from spectrain_workloads.contract import (
-    EXIT_CONFIG,
-    EXIT_OK,
-    EXIT_PEER_FRAME,
-    GPU_FAULT_EXIT_CODES,
-    MPS_LOSS_WINDOW_S,
-    SUPERVISOR_VERDICT_KEY,
-)
-from spectrain_workloads.exitcodes import GPU_FAULT_TEXT
 
 MPS = "mps"  # PodFault.container of an MPS loss (TARGET, DRAFTER: the containers' names)
 
@@ -167,27 +160,16 @@ def _describe(who: str, e: _Exit) -> str:
     return text
 
 
-def _supervisor_verdict(message: str) -> dict | None:
-    try:
-        data = json.loads(message)
-    except ValueError:
-        return None
-    if isinstance(data, dict) and isinstance(data.get(SUPERVISOR_VERDICT_KEY), dict):
-        verdict: dict = data[SUPERVISOR_VERDICT_KEY]
-        return verdict
-    return None
-
-
-def _from_verdict(t: _Exit, v: dict) -> PodFault | None:
-    cause = v.get("cause")
+def _from_verdict(t: _Exit, v: SupervisorVerdict) -> PodFault | None:
+    cause = v.cause
     if t.exit_code == EXIT_OK and cause == "success":
         return None
     if cause == "mps-daemon":
-        return PodFault(MPS, int(v.get("mpsExitCode", t.exit_code)), "MPSDaemonLost",
-                        f"the MPS control daemon exited ({v.get('mpsExitCode')}); the target exited {t.exit_code}",
+        return PodFault(MPS, v.mps_exit_code if v.mps_exit_code is not None else t.exit_code, "MPSDaemonLost",
+                        f"the MPS control daemon exited ({v.mps_exit_code}); the target exited {t.exit_code}",
                         t.restarts)
     if cause == "mps-by-drafter":
-        code = int(v.get("lastDrafterExitCode", EXIT_UNKNOWN))
+        code = v.last_drafter_exit_code if v.last_drafter_exit_code is not None else EXIT_UNKNOWN
         return PodFault(MPS, code, "MPSServerLost",
                         f"the drafter failed (exit {code}) and the MPS server took the target down with it "
                         f"(target exit {t.exit_code})", t.restarts, caused_by_drafter=True)
@@ -198,8 +180,8 @@ def _from_verdict(t: _Exit, v: dict) -> PodFault | None:
         return None
     reason = "TargetOOMKilled" if t.reason == "OOMKilled" else "TargetFailed"
     text = f"target exited with code {t.exit_code}"
-    if isinstance(v.get("targetMessage"), str) and v["targetMessage"].strip():
-        text += f": {error_line(v['targetMessage'])}"
+    if v.target_message and v.target_message.strip():
+        text += f": {error_line(v.target_message)}"
     return PodFault(TARGET, t.exit_code, reason, text, t.restarts)
 
 
@@ -217,7 +199,7 @@ def classify_pod(pod: dict) -> PodFault | None:
     m = _last_exit(container_status(pod, MPS_DAEMON, init=True))
 
     if t is not None:
-        verdict = _supervisor_verdict(t.message)
+        verdict = SupervisorVerdict.from_json(t.message)
         if verdict is not None:
             return _from_verdict(t, verdict)
 

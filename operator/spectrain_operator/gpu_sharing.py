@@ -41,9 +41,9 @@ import re
 from fractions import Fraction
 from typing import Any
 
+from spectrain_api.names import ENV_GPU_SHARING
 from spectrain_operator.objects import DRAFTER, LABEL_JOB, MPS_DAEMON, TARGET, child_metadata
 from spectrain_operator.objects import get as _get
-from spectrain_workloads.contract import ENV_GPU_SHARING
 
 MODES = ("DRA", "PodLocalMPS", "SingleContainer", "None")
 

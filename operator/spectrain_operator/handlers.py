@@ -26,13 +26,13 @@ from typing import Any
 
 import kopf
 
+from spectrain_api.names import GROUP, PLURAL, VERSION
 from spectrain_operator import builders
-from spectrain_operator import spec as specmod
 from spectrain_operator.kube import Kube, KubeError
 from spectrain_operator.leader import LeaderElector
 from spectrain_operator.reconciler import Reconciler
 
-RESOURCE = (specmod.GROUP, specmod.VERSION, specmod.PLURAL)
+RESOURCE = (GROUP, VERSION, PLURAL)
 # Pause between kopf's watch reconnections (its default, 0.1 s, lets a proxy or apiserver that
 # drops every watch see ten reconnects a second per resource): a dropped watch costs at most this
 # much delay, the relist that follows catches up on what it missed.

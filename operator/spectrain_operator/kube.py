@@ -24,8 +24,8 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any
 
+from spectrain_api.names import API_VERSION, KIND
 from spectrain_operator import metrics
-from spectrain_operator import spec as specmod
 from spectrain_operator.ratelimit import (
     DEFAULT_ATTEMPTS,
     DEFAULT_BURST,
@@ -251,10 +251,10 @@ class Kube:
     # ------------------------------------------------------------ objects
 
     def get_job(self, namespace: str, name: str) -> Obj | None:
-        return self.request("GET", path_for(specmod.API_VERSION, specmod.KIND, namespace, name))
+        return self.request("GET", path_for(API_VERSION, KIND, namespace, name))
 
     def list_jobs(self, namespace: str | None = None) -> list[Obj]:
-        out = self.request("GET", path_for(specmod.API_VERSION, specmod.KIND, namespace)) or {}
+        out = self.request("GET", path_for(API_VERSION, KIND, namespace)) or {}
         return list(out.get("items") or [])
 
     def list_pods(self, namespace: str, selector: str) -> list[Obj]:
@@ -313,7 +313,7 @@ class Kube:
                      body={"metadata": {"annotations": annotations}}, content_type="application/merge-patch+json")
 
     def delete_job(self, namespace: str, name: str) -> None:
-        self.delete(specmod.API_VERSION, specmod.KIND, namespace, name)
+        self.delete(API_VERSION, KIND, namespace, name)
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
         return self.request("GET", path_for(api_version, kind, namespace, name))
@@ -330,7 +330,7 @@ class Kube:
         body = dict(status)
         for key in (old or {}):
             body.setdefault(key, None)
-        return self.request("PATCH", path_for(specmod.API_VERSION, specmod.KIND, namespace, name, "status"),
+        return self.request("PATCH", path_for(API_VERSION, KIND, namespace, name, "status"),
                             body={"status": body}, content_type="application/merge-patch+json", attempts=attempts)
 
     def missing_claims(self, namespace: str, claims: list[str]) -> list[str]:
@@ -344,7 +344,7 @@ class Kube:
         obj = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}", "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": specmod.API_VERSION, "kind": specmod.KIND, "name": meta["name"],
+            "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
                                "namespace": meta["namespace"], "uid": meta.get("uid", ""),
                                "resourceVersion": meta.get("resourceVersion", "")},
             "reason": event.reason, "message": event.message[:1024], "type": event.type,

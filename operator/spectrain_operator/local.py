@@ -43,18 +43,23 @@ from typing import Any
 
 import yaml
 
-from spectrain_operator import builders, faults, spec
-from spectrain_operator.progress import ProgressView
-from spectrain_workloads.contract import (
+from spectrain_api.exitcodes import returncode_to_exit
+from spectrain_api.fsio import atomic_write_text
+from spectrain_api.names import (
     ANNOTATION_DRAFTER_DISABLED,
+    ENV_DEVICE,
+    ENV_DRAFTER_BIND,
     ENV_DRAFTER_CONTROL,
+    ENV_DRAFTER_PEERS,
+    ENV_DRAFTER_STORE,
     ENV_METRICS_PORT,
+    ENV_RUN_DIR,
     ENV_TERMINATION_LOG,
     EXIT_PEER_FRAME,
     KIND,
 )
-from spectrain_workloads.exitcodes import returncode_to_exit
-from spectrain_workloads.fsio import atomic_write_text
+from spectrain_operator import builders, faults, spec
+from spectrain_operator.progress import ProgressView
 
 SHM_ROOT = Path(os.environ.get("SPECTRAIN_SHM_ROOT", "/dev/shm"))
 GRACE_S = 30.0
@@ -255,12 +260,12 @@ def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Pat
                 value = str(host) + value[len(mount_path.rstrip("/")):]
                 break
         env[item["name"]] = value
-    if "SPECTRAIN_DRAFTER_PEERS" in env:
+    if ENV_DRAFTER_PEERS in env:
         # Pods share one network namespace locally: each pod's drafters get their own block of ports.
-        env["SPECTRAIN_DRAFTER_PEERS"] = ",".join(f"127.0.0.1:{p}" for p in peer_ports)
-        env["SPECTRAIN_DRAFTER_BIND"] = "127.0.0.1"
+        env[ENV_DRAFTER_PEERS] = ",".join(f"127.0.0.1:{p}" for p in peer_ports)
+        env[ENV_DRAFTER_BIND] = "127.0.0.1"
         # engine AllReduce's store: its default port (after the exporting pod's block) may be another pod's here
-        env["SPECTRAIN_DRAFTER_STORE"] = f"127.0.0.1:{store_port}"
+        env[ENV_DRAFTER_STORE] = f"127.0.0.1:{store_port}"
     if env.get(ENV_METRICS_PORT, "0") != "0":
         # Pods share one network namespace locally: each container (target, drafter) of each pod
         # gets its own metrics port.
@@ -271,7 +276,7 @@ def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Pat
     env["MASTER_ADDR"] = "127.0.0.1"
     env["MASTER_PORT"] = str(master_port)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    env.setdefault("SPECTRAIN_DEVICE", "auto")
+    env.setdefault(ENV_DEVICE, "auto")
     env.update(overrides)
     return env
 
@@ -322,7 +327,7 @@ def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None
                 termination_log=Path(env[ENV_TERMINATION_LOG]),
             ))
     (run_dir / "job.json").write_text(json.dumps(job, indent=2))
-    data_dirs = sorted({c.env["SPECTRAIN_RUN_DIR"] for c in run.containers if "SPECTRAIN_RUN_DIR" in c.env})
+    data_dirs = sorted({c.env[ENV_RUN_DIR] for c in run.containers if ENV_RUN_DIR in c.env})
     # Where each container's processes serve /metrics on 127.0.0.1 (its ENV_METRICS_PORT + local
     # rank): what a scrape config of a local run needs, as a cluster's reads the pods' ports.
     metrics = [{"pod": c.pod, "container": c.name,

@@ -6,7 +6,7 @@ import threading
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-from spectrain_workloads.contract import PHASES
+from spectrain_api.names import PHASES
 
 RECONCILES = Counter("spectrain_reconciles_total", "Reconcile passes, by result.", ["result"])
 ERRORS = Counter("spectrain_reconcile_errors_total", "Errors while reconciling, by kind.", ["kind"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spectrain_workloads.contract import API_VERSION, GROUP, KIND
+from spectrain_api.names import API_VERSION, GROUP, KIND
 
 LABEL_JOB = f"{GROUP}/job-name"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"

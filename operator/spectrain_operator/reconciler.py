@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from spectrain_api.names import ANNOTATION_DRAFTER_DISABLED
 from spectrain_operator import builders, gpu_sharing, metrics, scheduling
 from spectrain_operator import spec as specmod
 from spectrain_operator import status as statusmod
@@ -33,7 +34,6 @@ from spectrain_operator.children import FLEET_KEY_UID_FIELD, Children
 from spectrain_operator.kube import DRA_API_VERSION, Kube, RejectedError, TransientError
 from spectrain_operator.ratelimit import REQUEUE_BASE_S, REQUEUE_CAP_S, Backoff
 from spectrain_operator.timers import Key, Timers
-from spectrain_workloads.contract import ANNOTATION_DRAFTER_DISABLED
 
 Obj = dict[str, Any]
 log = logging.getLogger("spectrain.reconciler")

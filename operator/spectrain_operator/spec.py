@@ -1,7 +1,7 @@
 """Offline understanding of a SpecTrainJob: load, default and validate it exactly as the API server
 would (the CRD's own structural schema, defaults and CEL rule strings, evaluated with celpy), plus
 the semantic checks the schema cannot express (model layers divisible by the pipeline degree, known
-presets): `spectrain_workloads.contract.check_spec`, the rules the workloads enforce at start.
+presets): `spectrain_api.rules.check_spec`, the rules the workloads enforce at start.
 Every error is one line that starts with the field path and says how to fix it.
 
 Used by `spectrain validate`/`render`, the local backend and the operator's reconcile (a 1.20 API
@@ -21,7 +21,8 @@ from typing import Any
 
 import yaml
 
-from spectrain_workloads.contract import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: F401 (re-exported)
+from spectrain_api import volumes
+from spectrain_api.names import API_VERSION, KIND
 
 CRD_FILE = "spectrain.io_spectrainjobs.yaml"
 
@@ -290,9 +291,9 @@ def cel_errors(obj: Obj, old: Obj | None = None) -> list[str]:
 def semantic_errors(obj: Obj) -> list[str]:
     """What passes schema and CEL but the workloads would still refuse at start: the same
     `check_spec` every workload entrypoint runs before training."""
-    from spectrain_workloads.config import from_manifest
-    from spectrain_workloads.contract import check_spec
-    from spectrain_workloads.errors import ConfigError
+    from spectrain_api.config import from_manifest
+    from spectrain_api.errors import ConfigError
+    from spectrain_api.rules import check_spec
 
     try:
         return check_spec(from_manifest(obj))
@@ -338,20 +339,14 @@ def claims(spec: Obj) -> list[tuple[str, str]]:
     return out
 
 
-def _pvc(uri: str | None) -> str | None:
-    if uri and uri.startswith("pvc://"):
-        return uri[len("pvc://"):].split("/", 1)[0]
-    return None
-
-
 def input_claims(spec: Obj) -> list[tuple[str, str, str]]:
     """(volume name, field path, PVC name) of the read-only inputs mounted under SPECTRAIN_DATA_ROOT:
     the data source's claim ("data") and the model path's ("model", unless it is the same claim)."""
     out: list[tuple[str, str, str]] = []
-    data = _pvc(spec["target"]["data"]["source"])
+    data = volumes.claim_of(spec["target"]["data"]["source"])
     if data:
         out.append(("data", "spec.target.data.source", data))
-    model = _pvc((spec["target"].get("model") or {}).get("path"))
+    model = volumes.claim_of((spec["target"].get("model") or {}).get("path"))
     if model and model != data:
         out.append(("model", "spec.target.model.path", model))
     return out

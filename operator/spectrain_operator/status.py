@@ -35,13 +35,13 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from spectrain_api.names import PHASES
 from spectrain_operator.objects import Obj
 from spectrain_operator.pods import fmt_time
 from spectrain_operator.policy import drafter, failures, lifecycle, progress, restart
 from spectrain_operator.policy.context import Context, prune
 from spectrain_operator.policy.plan import TERMINAL, Conditions, Event, Outcome, Plan
 from spectrain_operator.policy.restart import MAX_BACKOFF_S, backoff_seconds
-from spectrain_workloads.contract import PHASES
 
 # What kube.py, reconciler.py and the tests take from here.
 __all__ = ["MAX_BACKOFF_S", "PHASES", "TERMINAL", "Conditions", "Event", "Plan", "backoff_seconds", "decide",

@@ -20,12 +20,12 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from spectrain_api.names import GROUP, KIND, PLURAL, VERSION
 from tests.integration.kubeapi import KubeAPI, free_port
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "spectrain.io_spectrainjobs.yaml"
-from spectrain_workloads.contract import GROUP, KIND, PLURAL, VERSION  # noqa: E402
 
 LABEL_JOB = "spectrain.io/job-name"
 STEP = 30.0  # deadline per expected outcome

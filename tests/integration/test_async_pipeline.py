@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectrain_workloads.config import (
+from spectrain_api.config import (
     BasisRotationSpec,
     CheckpointSpec,
     DataSpec,

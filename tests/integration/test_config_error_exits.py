@@ -1,5 +1,5 @@
 """Exit code 2 end to end on the workload side: `spectrain-target`, the drafter sidecar and the
-SingleContainer supervisor given a configuration that cannot run exit 2 (contract.EXIT_CONFIG)
+SingleContainer supervisor given a configuration that cannot run exit 2 (names.EXIT_CONFIG)
 and write one line, "configuration error: ...", as the container's termination message
 ($SPECTRAIN_TERMINATION_LOG); the operator's faults read it back into Failed/ConfigError; the
 local backend (`spectrain run`) ends such a run Failed/ConfigError without restarting anything.
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
+from spectrain_api.names import ENV_TERMINATION_LOG, EXIT_CONFIG
 from spectrain_operator import builders, faults, local, spec
-from spectrain_workloads.contract import ENV_TERMINATION_LOG, EXIT_CONFIG
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spectrain_workloads.contract import ANNOTATION_DRAFTER_DISABLED, ENV_DRAFTER_CONTROL
+from spectrain_api.names import ANNOTATION_DRAFTER_DISABLED, ENV_DRAFTER_CONTROL
 from spectrain_workloads.drafter.synthetic import SyntheticSpec, WindowSpec
 from tests.integration.drafter_procs import Pod, drive, synthetic_target
 

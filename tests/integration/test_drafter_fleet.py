@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from spectrain_workloads.contract import ENV_FLEET_KEY_FILE, ENV_JOB_UID, ENV_RESTART_GENERATION
+from spectrain_api.names import ENV_FLEET_KEY_FILE, ENV_JOB_UID, ENV_RESTART_GENERATION
 from spectrain_workloads.drafter.export import load_drafter
 from spectrain_workloads.drafter.synthetic import SyntheticSpec, SyntheticTarget, WindowSpec
 from tests.integration.drafter_procs import Pod, synthetic_target

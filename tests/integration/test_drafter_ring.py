@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from spectrain_workloads.contract import ENV_FLEET_KEY_FILE, ENV_JOB_UID, ENV_RESTART_GENERATION
+from spectrain_api.names import ENV_FLEET_KEY_FILE, ENV_JOB_UID, ENV_RESTART_GENERATION
 from spectrain_workloads.drafter.export import load_drafter
 from spectrain_workloads.drafter.fleet_records import STORE_ENV
 from spectrain_workloads.drafter.synthetic import SyntheticTarget

@@ -26,13 +26,13 @@ from typing import Any
 import pytest
 import torch
 
-from spectrain_operator.local import free_port
-from spectrain_workloads.contract import (
+from spectrain_api.names import (
     ANNOTATION_DRAFTER_DISABLED,
     ENV_DRAFTER_CONTROL,
     ENV_FLEET_KEY_FILE,
     ENV_JOB_UID,
 )
+from spectrain_operator.local import free_port
 from tests.integration.drafter_procs import REPO, read_jsonl
 from tests.launch import launch_local, node_ring_dir, stop, wait_all
 from tests.waiting import wait_for

@@ -19,16 +19,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from spectrain_workloads.contract import (
-    ENV_FLEET_KEY_FILE,
-    ENV_JOB_UID,
-    ENV_METRICS_PORT,
-    ENV_RESTART_GENERATION,
-)
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import ENV_FLEET_KEY_FILE, ENV_JOB_UID, ENV_METRICS_PORT, ENV_RESTART_GENERATION
 from spectrain_workloads.drafter.auth import Identity, client_handshake
 from spectrain_workloads.drafter.export import load_drafter
 from spectrain_workloads.drafter.fleet_records import pack_params
-from spectrain_workloads.errors import ConfigError
 from tests.integration.drafter_procs import TARGET_CFG, Pod
 from tests.integration.test_drafter_fleet import _drive, _summary, _targets
 from tests.launch import free_ports

@@ -70,7 +70,7 @@ def step_losses(run: Path) -> list[float]:
 
 def first_batch(job: dict[str, Any], model: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 0's batch as the trainer builds it (same corpus, tokenizer and loader)."""
-    from spectrain_workloads.config import from_manifest
+    from spectrain_api.config import from_manifest
     from spectrain_workloads.data import LoaderSpec, TokenLoader
     from spectrain_workloads.target_model import resolve_target
 

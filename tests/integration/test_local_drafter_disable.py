@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spectrain_operator import local
-from spectrain_workloads.contract import (
+from spectrain_api.names import (
     ANNOTATION_DRAFTER_DISABLED,
     ENV_DRAFTER_CONTROL,
     ENV_FLEET_KEY_FILE,
@@ -23,6 +22,7 @@ from spectrain_workloads.contract import (
     ENV_RESTART_GENERATION,
     EXIT_PEER_FRAME,
 )
+from spectrain_operator import local
 
 pytestmark = pytest.mark.integration
 

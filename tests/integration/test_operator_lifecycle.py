@@ -12,7 +12,7 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from spectrain_workloads.contract import (
+from spectrain_api.names import (
     ANNOTATION_DRAFTER_DISABLED,
     ENV_FLEET_KEY_FILE,
     ENV_JOB_UID,

@@ -32,6 +32,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from spectrain_api.names import GROUP, KIND, PLURAL, VERSION
 from tests.integration.kubeapi import KubeAPI
 from tests.integration.operator_proc import OperatorProcess
 from tests.unit.test_helm_chart import aggregated
@@ -41,7 +42,6 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "spectrain-operator"
 RELEASE, OP_NS = "spectrain", "spectrain-system"
-from spectrain_workloads.contract import GROUP, KIND, PLURAL, VERSION  # noqa: E402
 
 STEP_TIMEOUT = 20.0  # per expected outcome; a healthy operator needs well under a second
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from spectrain_api import names
 from spectrain_operator import faults
-from spectrain_workloads import contract
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -160,7 +160,7 @@ def test_mps_daemon_that_never_gets_ready(tmp_path: Path) -> None:
     broken_mps = script(tmp_path, "mps-broken", "sys.exit(1)\n")
     target = script(tmp_path, "target", "(D / 'target-ran').write_text('1')\n")
     proc = run_supervisor(tmp_path, target, mps_cmd=broken_mps)
-    assert finish(proc) == contract.EXIT_GPU_FAULT
+    assert finish(proc) == names.EXIT_GPU_FAULT
     v = verdict(tmp_path)
     assert v["cause"] == "mps-daemon" and v["mpsExitCode"] == 1
     assert not (tmp_path / "target-ran").exists(), "no target without an MPS daemon"

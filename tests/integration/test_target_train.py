@@ -117,7 +117,7 @@ def _reference_losses(cfg_path: Path, seq_len: int, steps: int, data: int = 1) -
     import torch
     import torch.nn.functional as F
 
-    from spectrain_workloads import config
+    from spectrain_api import config
     from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
     from spectrain_workloads.model import Transformer, model_config
     from spectrain_workloads.optim import build_optimizer
@@ -152,7 +152,7 @@ def test_pipeline_loss_equals_single_process_reference(pp: Path) -> None:
     import torch
     import torch.nn.functional as F
 
-    from spectrain_workloads import config
+    from spectrain_api import config
     from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
     from spectrain_workloads.model import Transformer, model_config
     from spectrain_workloads.optim import build_optimizer

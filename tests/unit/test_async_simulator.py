@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spectrain_workloads.config import OptimizerSpec
+from spectrain_api.config import OptimizerSpec
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.data import LoaderSpec, TokenLoader
-from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import ModelConfig, Transformer
 from spectrain_workloads.optim import build_optimizer
 from spectrain_workloads.target.async_pipeline import delays, simulate, stage_named_params, stage_of

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from spectrain_workloads.config import BasisRotationSpec, OptimizerSpec
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.config import BasisRotationSpec, OptimizerSpec
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.model import ModelConfig, Transformer
 from spectrain_workloads.optim import (
     BasisRotation,

@@ -9,8 +9,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from spectrain_api import names
 from spectrain_operator import builders, spec
-from spectrain_workloads import contract
 
 pytestmark = pytest.mark.unit
 
@@ -181,7 +181,7 @@ def test_headless_service_selects_the_job_pods() -> None:
 
 
 def test_config_map_is_the_defaulted_manifest_the_workloads_read() -> None:
-    from spectrain_workloads import config
+    from spectrain_api import config
 
     j = job()
     (cm,) = by_kind(builders.render(j))["ConfigMap"]
@@ -273,14 +273,14 @@ def test_only_the_drafter_gets_the_key_identity_and_control_file() -> None:
     assert mounts["fleet-key"] == {"name": "fleet-key", "mountPath": "/etc/spectrain/fleet-key", "readOnly": True}
     assert mounts["podinfo"] == {"name": "podinfo", "mountPath": "/etc/spectrain/podinfo", "readOnly": True}
     env = env_of(drafter)
-    assert env[contract.ENV_FLEET_KEY_FILE] == "/etc/spectrain/fleet-key/key"
-    assert env[contract.ENV_JOB_UID] == "u-1" and env[contract.ENV_RESTART_GENERATION] == "3"
-    assert env[contract.ENV_POD_IPS] == {"fieldRef": {"fieldPath": "status.podIPs"}}
-    assert env[contract.ENV_DRAFTER_CONTROL] == "/etc/spectrain/podinfo/annotations"
+    assert env[names.ENV_FLEET_KEY_FILE] == "/etc/spectrain/fleet-key/key"
+    assert env[names.ENV_JOB_UID] == "u-1" and env[names.ENV_RESTART_GENERATION] == "3"
+    assert env[names.ENV_POD_IPS] == {"fieldRef": {"fieldPath": "status.podIPs"}}
+    assert env[names.ENV_DRAFTER_CONTROL] == "/etc/spectrain/podinfo/annotations"
     # the target: none of it
     assert {"fleet-key", "podinfo"}.isdisjoint(m["name"] for m in target["volumeMounts"])
-    assert not {contract.ENV_FLEET_KEY_FILE, contract.ENV_JOB_UID, contract.ENV_POD_IPS,
-                contract.ENV_DRAFTER_CONTROL, contract.ENV_RESTART_GENERATION} & set(env_of(target))
+    assert not {names.ENV_FLEET_KEY_FILE, names.ENV_JOB_UID, names.ENV_POD_IPS,
+                names.ENV_DRAFTER_CONTROL, names.ENV_RESTART_GENERATION} & set(env_of(target))
     # no drafter: no key volume at all
     off, _ = builders.pod(j, 1, drafter_disabled=True)
     assert {"fleet-key", "podinfo"}.isdisjoint(v["name"] for v in off["spec"]["volumes"])
@@ -289,7 +289,7 @@ def test_only_the_drafter_gets_the_key_identity_and_control_file() -> None:
 def test_drafter_disabled_in_place_keeps_the_sidecar_and_annotates_the_pod() -> None:
     p, _ = builders.pod(job(), 0, drafter_off="TooManyFailures")
     assert [c["name"] for c in p["spec"]["initContainers"]] == ["drafter"]
-    assert p["metadata"]["annotations"] == {contract.ANNOTATION_DRAFTER_DISABLED: "TooManyFailures"}
+    assert p["metadata"]["annotations"] == {names.ANNOTATION_DRAFTER_DISABLED: "TooManyFailures"}
     assert "annotations" not in builders.pod(job(), 0)[0]["metadata"]
     # the next generation after a disable: no sidecar, nothing to annotate
     gone, _ = builders.pod(job(), 0, drafter_disabled=True, drafter_off="TooManyFailures")
@@ -333,17 +333,17 @@ def test_every_container_is_restricted_by_default(mode: str) -> None:
     gpus = 0 if mode == "None" else 1
     for pod in by_kind(builders.render(job(gpuSharing={"mode": mode, "gpusPerNode": gpus})))["Pod"]:
         psc = pod["spec"]["securityContext"]
-        assert psc == {"runAsNonRoot": True, "runAsUser": contract.IMAGE_UID, "runAsGroup": contract.IMAGE_GID,
-                       "fsGroup": contract.IMAGE_GID, "fsGroupChangePolicy": "OnRootMismatch",
+        assert psc == {"runAsNonRoot": True, "runAsUser": names.IMAGE_UID, "runAsGroup": names.IMAGE_GID,
+                       "fsGroup": names.IMAGE_GID, "fsGroupChangePolicy": "OnRootMismatch",
                        "seccompProfile": {"type": "RuntimeDefault"}}
-        names = [c["name"] for c in _containers(pod)]
-        assert names == {"None": ["target", "drafter"], "DRA": ["target", "drafter"],
+        container_names = [c["name"] for c in _containers(pod)]
+        assert container_names == {"None": ["target", "drafter"], "DRA": ["target", "drafter"],
                          "PodLocalMPS": ["target", "mps-daemon", "drafter"], "SingleContainer": ["target"]}[mode]
         for c in _containers(pod):
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}, c["name"]
             # nothing on a container undoes the pod's user and seccomp profile
-            assert sc.get("runAsUser", psc["runAsUser"]) == contract.IMAGE_UID
+            assert sc.get("runAsUser", psc["runAsUser"]) == names.IMAGE_UID
             assert "runAsNonRoot" not in sc and "seccompProfile" not in sc and "privileged" not in sc
 
 
@@ -355,7 +355,7 @@ def test_security_overrides_replace_their_defaults_field_by_field() -> None:
     j["spec"]["drafter"]["securityContext"] = {"runAsUser": 2001}
     pod = by_kind(builders.render(j))["Pod"][0]
     assert pod["spec"]["securityContext"] == {
-        "runAsNonRoot": True, "runAsUser": 2000, "runAsGroup": contract.IMAGE_GID, "fsGroup": 3000,
+        "runAsNonRoot": True, "runAsUser": 2000, "runAsGroup": names.IMAGE_GID, "fsGroup": 3000,
         "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "Localhost", "localhostProfile": "spectrain.json"}}
     target, drafter = pod["spec"]["containers"][0], pod["spec"]["initContainers"][0]
     assert target["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,

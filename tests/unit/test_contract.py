@@ -1,4 +1,4 @@
-"""spectrain_workloads.contract: one rule set for `spectrain validate` and the workloads.
+"""spectrain_api (names, config, rules): one rule set for `spectrain validate` and the workloads.
 
 - every enum value the CRD admits is accepted by the workloads (config builds, the debug-size
   model / drafter / schedule / optimizer / task constructs);
@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 import torch
 
+from spectrain_api import config, names
+from spectrain_api.config import JobConfig, from_manifest
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import ASYNC_PIPELINE, PRETRAIN, RL
+from spectrain_api.rules import check_spec, require_valid
 from spectrain_operator import spec
-from spectrain_workloads import contract
-from spectrain_workloads.config import JobConfig, from_manifest
-from spectrain_workloads.contract import ASYNC_PIPELINE, PRETRAIN, RL, check_spec, require_valid
 from spectrain_workloads.drafter.models import build_drafter
 from spectrain_workloads.drafter.settings import DrafterSettings
-from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.harvest.schedule import Schedule
 from spectrain_workloads.model import Transformer, model_config
 from spectrain_workloads.optim import build_optimizer
@@ -43,7 +44,7 @@ IMAGE = "example.org/spectrain/workloads:0.1.0"
 
 
 def manifest(spec_: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "job"},
+    return {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": "job"},
             "spec": {**spec_, "target": {"image": IMAGE, **spec_.get("target", {})}}}
 
 
@@ -61,7 +62,7 @@ def workload_start(m: dict[str, Any]) -> JobConfig:
         GRPOConfig(group_size=t.rl.group_size, prompts_per_step=t.data.batch_size, lr=t.optimizer.lr)
         get_task(t.rl.task)
     else:
-        contract.preset_model_config(t.model)
+        config.preset_model_config(t.model)
         delays(t.parallelism.pipeline)
     return cfg
 
@@ -75,7 +76,7 @@ def crd_enum(*path: str) -> list[str]:
 
 def debug_size(preset: str) -> dict[str, Any]:
     """Overrides that keep a preset's structure (GQA, explicit FFN width) at debug size."""
-    p = contract.TARGET_PRESETS[preset]
+    p = names.TARGET_PRESETS[preset]
     return {"dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64,
             "n_kv_heads": 2 if p.get("n_kv_heads") else None, "ffn_dim": 96 if p.get("ffn_dim") else None}
 
@@ -86,7 +87,7 @@ def debug_size(preset: str) -> dict[str, Any]:
 def test_every_target_preset_builds(preset: str) -> None:
     cfg = workload_start(manifest({"target": {"model": {"preset": preset}, "data": {"seqLen": 64}}}))
     full = model_config(preset, vocab_size=ByteTokenizer.vocab_size)
-    assert full.n_layers == contract.TARGET_PRESETS[preset]["n_layers"]
+    assert full.n_layers == names.TARGET_PRESETS[preset]["n_layers"]
     small = model_config(cfg.target.model.preset, debug_size(preset), vocab_size=ByteTokenizer.vocab_size)
     logits = Transformer(small)(torch.zeros(1, 8, dtype=torch.long))
     assert logits.shape == (1, 8, ByteTokenizer.vocab_size)
@@ -144,22 +145,22 @@ def test_every_rl_task_and_strategy(task: str, strategy: str) -> None:
 
 
 def test_crd_enums_are_the_contracts() -> None:
-    assert crd_enum("mode") == list(contract.MODES)
-    assert crd_enum("target", "model", "preset") == list(contract.TARGET_PRESETS)
-    assert crd_enum("drafter", "preset") == list(contract.DRAFTER_PRESETS)
-    assert crd_enum("drafter", "arch") == list(contract.DRAFTER_ARCHS)
-    assert crd_enum("drafter", "exchange", "engine") == list(contract.EXCHANGE_ENGINES)
-    assert crd_enum("drafter", "activation", "kinds", "[]") == list(contract.WINDOW_KINDS)
-    assert crd_enum("target", "parallelism", "schedule") == list(contract.SCHEDULES)
-    assert crd_enum("target", "rl", "task") == list(contract.RL_TASKS)
+    assert crd_enum("mode") == list(names.MODES)
+    assert crd_enum("target", "model", "preset") == list(names.TARGET_PRESETS)
+    assert crd_enum("drafter", "preset") == list(names.DRAFTER_PRESETS)
+    assert crd_enum("drafter", "arch") == list(names.DRAFTER_ARCHS)
+    assert crd_enum("drafter", "exchange", "engine") == list(names.EXCHANGE_ENGINES)
+    assert crd_enum("drafter", "activation", "kinds", "[]") == list(names.WINDOW_KINDS)
+    assert crd_enum("target", "parallelism", "schedule") == list(names.SCHEDULES)
+    assert crd_enum("target", "rl", "task") == list(names.RL_TASKS)
 
 
 # ------------------------------------------------------------------------- validate => workloads accept
 
 def _grid() -> list[dict[str, Any]]:
     rng = random.Random(0)
-    axes = itertools.product(list(contract.MODES), [1, 2, 3], [1, 2], [1, 2, 3, 4], [4, 6, 8],
-                             list(contract.SCHEDULES), [None, 6], ["debug", "small"], ["debug", "base"])
+    axes = itertools.product(list(names.MODES), [1, 2, 3], [1, 2], [1, 2, 3, 4], [4, 6, 8],
+                             list(names.SCHEDULES), [None, 6], ["debug", "small"], ["debug", "base"])
     combos = list(axes)
     rng.shuffle(combos)
     out = []
@@ -256,20 +257,22 @@ def test_crd_defaults_come_from_the_config_dataclasses() -> None:
     assert target["parallelism"]["properties"]["schedule"]["default"] == JobConfig().target.parallelism.schedule
 
 
-def test_the_pod_environment_names_are_spelled_once() -> None:
-    """The builders and the workloads name the pods' SPECTRAIN_* variables through contract.ENV_*;
-    a literal elsewhere is a second definition that can drift from the one the other side reads."""
+def test_the_seam_names_are_spelled_once() -> None:
+    """The pods' SPECTRAIN_* variables, the annotations, the API group, kind and plural and the
+    supervisor's verdict key are spelled only in spectrain_api.names; a literal anywhere else in
+    the operator, the workloads or the API package is a second definition that can drift from the
+    one the other side reads."""
     import ast
     from pathlib import Path
 
-    from spectrain_workloads import contract
-
     root = Path(__file__).resolve().parents[2]
-    names = {v for k, v in vars(contract).items() if k.startswith("ENV_")}
-    files = [root / "operator/spectrain_operator/builders.py", root / "operator/spectrain_operator/gpu_sharing.py",
-             *(root / "workloads/spectrain_workloads").glob("*.py"),
-             *(root / "workloads/spectrain_workloads/drafter").glob("*.py")]
-    hits = [f"{f.relative_to(root)}:{node.lineno}: {node.value}" for f in files if f.name != "contract.py"
+    seam = {v for k, v in vars(names).items()
+            if k.startswith(("ENV_", "ANNOTATION_")) or k in ("GROUP", "KIND", "PLURAL", "API_VERSION",
+                                                             "SUPERVISOR_VERDICT_KEY")}
+    assert len(seam) > 25
+    files = [f for d in ("operator/spectrain_operator", "operator/spectrain_api", "workloads/spectrain_workloads")
+             for f in (root / d).rglob("*.py") if f != root / "operator/spectrain_api/names.py"]
+    hits = [f"{f.relative_to(root)}:{node.lineno}: {node.value}" for f in files
             for node in ast.walk(ast.parse(f.read_text()))
-            if isinstance(node, ast.Constant) and node.value in names]
+            if isinstance(node, ast.Constant) and node.value in seam]
     assert not hits, hits

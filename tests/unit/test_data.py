@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus, resolve_source
-from spectrain_workloads.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 

@@ -192,7 +192,7 @@ def test_workloads_image_cuda_base_is_a_build_arg_with_cpu_variant() -> None:
 def test_workloads_image_user_is_the_one_the_pods_run_as() -> None:
     # The operator's pods default to runAsUser/runAsGroup/fsGroup IMAGE_UID/IMAGE_GID (Pod Security
     # "restricted"): the image's user must be that one, or its home and files would not be its own.
-    from spectrain_workloads.contract import IMAGE_GID, IMAGE_UID
+    from spectrain_api.names import IMAGE_GID, IMAGE_UID
 
     ins = instructions(WORKLOADS)
     args = dict(rest.split("=", 1) for op, rest in ins if op == "ARG" and "=" in rest)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.drafter import export as ex
 from spectrain_workloads.drafter.models import EagleDrafter, build_drafter
 from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.drafter.sidecar import parse_memory
-from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import Transformer, model_config
 
 pytestmark = pytest.mark.unit

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectrain_workloads.contract import ANNOTATION_DRAFTER_DISABLED
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import ANNOTATION_DRAFTER_DISABLED
 from spectrain_workloads.drafter import export as ex
 from spectrain_workloads.drafter.models import build_drafter
 from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.drafter.sidecar import DrafterControl, go_unquote, parse_control
-from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import model_config
 
 pytestmark = pytest.mark.unit
@@ -199,9 +199,9 @@ def test_control_file_follows_the_kubelets_symlink_swaps(tmp_path: Path) -> None
 
 
 def test_a_failure_a_peer_caused_exits_with_its_own_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from spectrain_workloads.contract import ENV_TERMINATION_LOG, EXIT_ERROR, EXIT_PEER_FRAME
+    from spectrain_api.errors import PeerFrameError
+    from spectrain_api.names import ENV_TERMINATION_LOG, EXIT_ERROR, EXIT_PEER_FRAME
     from spectrain_workloads.drafter.sidecar import _guarded
-    from spectrain_workloads.errors import PeerFrameError
 
     log = tmp_path / "termination-log"
     monkeypatch.setenv(ENV_TERMINATION_LOG, str(log))

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectrain_workloads.config import DrafterSpec
+from spectrain_api.config import DrafterSpec
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.drafter.models import (
     EagleDrafter,
     TargetShared,
@@ -27,7 +28,6 @@ from spectrain_workloads.drafter.synthetic import (
     text_sequences,
     write_target_shared,
 )
-from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import Transformer, causal_decode_mask, model_config
 
 pytestmark = pytest.mark.unit

@@ -1,20 +1,20 @@
-"""spectrain_workloads.exitcodes: the code an exception ends a workload process with."""
+"""spectrain_api.exitcodes: the code an exception ends a workload process with."""
 
 from __future__ import annotations
 
 import pytest
 
-from spectrain_workloads import contract, exitcodes
-from spectrain_workloads.errors import ConfigError
+from spectrain_api import exitcodes, names
+from spectrain_api.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize(("exc", "code"), [
-    (RuntimeError("CUDA error: an illegal memory access was encountered"), contract.EXIT_GPU_FAULT),
-    (RuntimeError("cudaErrorMpsClientTerminated"), contract.EXIT_GPU_FAULT),
-    (ConfigError("spec.target.model.preset: unknown"), contract.EXIT_CONFIG),
-    (ValueError("bad"), contract.EXIT_ERROR),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), names.EXIT_GPU_FAULT),
+    (RuntimeError("cudaErrorMpsClientTerminated"), names.EXIT_GPU_FAULT),
+    (ConfigError("spec.target.model.preset: unknown"), names.EXIT_CONFIG),
+    (ValueError("bad"), names.EXIT_ERROR),
 ])
 def test_exit_code_for(exc: BaseException, code: int) -> None:
     assert exitcodes.exit_code_for(exc) == code

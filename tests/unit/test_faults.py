@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from spectrain_api.verdict import SupervisorVerdict
 from spectrain_operator import faults
 from spectrain_operator.faults import PodFault, action_for, classify_pod
-from spectrain_workloads import supervisor
 
 pytestmark = pytest.mark.unit
 
@@ -152,12 +152,12 @@ def test_pod_being_deleted_has_no_fault() -> None:
 
 
 @pytest.mark.parametrize(("verdict", "expected"), [
-    (supervisor.Verdict("mps-by-drafter", 86, 2, False, 139, None), ("mps", 139, "MPSServerLost", True)),
-    (supervisor.Verdict("mps-daemon", 86, 0, False, None, 1), ("mps", 1, "MPSDaemonLost", False)),
-    (supervisor.Verdict("mps", 86, 1, False, 86, None), ("mps", 86, "MPSServerLost", False)),
-    (supervisor.Verdict("target", 3, 0, False, None, None), ("target", 3, "TargetFailed", False)),
+    (SupervisorVerdict("mps-by-drafter", 86, 2, False, 139, None), ("mps", 139, "MPSServerLost", True)),
+    (SupervisorVerdict("mps-daemon", 86, 0, False, None, 1), ("mps", 1, "MPSDaemonLost", False)),
+    (SupervisorVerdict("mps", 86, 1, False, 86, None), ("mps", 86, "MPSServerLost", False)),
+    (SupervisorVerdict("target", 3, 0, False, None, None), ("target", 3, "TargetFailed", False)),
 ])
-def test_single_container_supervisor_verdict(verdict: supervisor.Verdict, expected: tuple) -> None:
+def test_single_container_supervisor_verdict(verdict: SupervisorVerdict, expected: tuple) -> None:
     code = verdict.target_exit_code or 0
     t = status("target", state={"terminated": term(code, T1, message=verdict.to_json())})
     f = classify_pod(pod(t))
@@ -166,7 +166,7 @@ def test_single_container_supervisor_verdict(verdict: supervisor.Verdict, expect
 
 
 def test_single_container_success_verdict() -> None:
-    v = supervisor.Verdict("success", 0, 1, False, 1, None)
+    v = SupervisorVerdict("success", 0, 1, False, 1, None)
     t = status("target", state={"terminated": term(0, T1, "Completed", message=v.to_json())})
     assert classify_pod(pod(t, phase="Succeeded")) is None
 
@@ -310,7 +310,7 @@ def test_drafter_config_error_never_fails_the_job() -> None:
 
 
 def test_single_container_verdict_carries_the_targets_config_error() -> None:
-    v = supervisor.Verdict("target", 2, 0, False, None, None, target_message=CONFIG_LINE)
+    v = SupervisorVerdict("target", 2, 0, False, None, None, target_message=CONFIG_LINE)
     f = classify_pod(pod(status("target", state={"terminated": term(2, T1, message=v.to_json())})))
     assert f is not None and (f.container, f.exit_code) == ("target", 2) and CONFIG_LINE in f.message
     assert action_for(f, job()) == "ConfigError"

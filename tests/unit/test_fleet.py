@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.drafter.auth import Identity, Session
 from spectrain_workloads.drafter.checks import TargetSpec
 from spectrain_workloads.drafter.fleet import Combined, Fleet, FleetConfig, parse_peers
 from spectrain_workloads.drafter.links import Frame, Link, Stats, TokenBucket
 from spectrain_workloads.drafter.listener import Server
 from spectrain_workloads.drafter.replicas import ModelSync
-from spectrain_workloads.errors import ConfigError
 from tests.launch import free_ports
 from tests.waiting import wait_for
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from spectrain_workloads.contract import ENV_FLEET_KEY_FILE, ENV_POD_IPS
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import ENV_FLEET_KEY_FILE, ENV_POD_IPS
 from spectrain_workloads.drafter import auth, listener
 from spectrain_workloads.drafter.auth import AuthError, Identity, Session, client_handshake, load_key
 from spectrain_workloads.drafter.fleet_records import STORE_ENV, parse_peers, store_address
 from spectrain_workloads.drafter.links import Frame, Link, Stats, TokenBucket
 from spectrain_workloads.drafter.listener import Server
-from spectrain_workloads.errors import ConfigError
 from tests.launch import free_ports
 from tests.waiting import wait_for
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from spectrain_workloads.fsio import atomic_dir, atomic_write, atomic_write_json, atomic_write_text
+from spectrain_api.fsio import atomic_dir, atomic_write, atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,4 +62,4 @@ def test_fsio_is_the_one_write_then_rename() -> None:
     hits = [f"{f}:{i + 1}" for f in files if f not in OWN_PROTOCOL and not f.endswith("/fsio.py")
             and (ROOT / f).is_file()
             for i, line in enumerate((ROOT / f).read_text().splitlines()) if rename.search(line)]
-    assert not hits, f"write-then-rename outside spectrain_workloads.fsio: {hits}"
+    assert not hits, f"write-then-rename outside spectrain_api.fsio: {hits}"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from spectrain_workloads.config import from_manifest
-from spectrain_workloads.contract import check_spec
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.config import from_manifest
+from spectrain_api.errors import ConfigError
+from spectrain_api.rules import check_spec
 from spectrain_workloads.hf.source import inspect
 from spectrain_workloads.hf.tiny import build_model
 
@@ -208,9 +208,9 @@ def test_rl_needs_an_eos_token() -> None:
 
 def _gen_args(model: Path, drafter: Path, **over: object) -> argparse.Namespace:
     """The CLI's own parser, so every default `spectrain generate` has is there."""
-    from spectrain_workloads.generate import add_arguments
+    from spectrain_operator.cli import add_generate_arguments
     p = argparse.ArgumentParser()
-    add_arguments(p)
+    add_generate_arguments(p)
     args = p.parse_args(["--model", str(model), "--drafter", str(drafter), "--prompt", "x = 1",
                          "--max-new-tokens", "4", "--draft-tokens", "2", "--json", "--device", "cpu"])
     for k, v in over.items():

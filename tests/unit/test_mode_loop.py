@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from spectrain_workloads.config import JobConfig
-from spectrain_workloads.contract import MODES as MODE_NAMES
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.config import JobConfig
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import MODES as MODE_NAMES
 from spectrain_workloads.loop import ModeLoop, StepReport
 from spectrain_workloads.runtime import RankInfo, Runtime, TargetOptions
 

@@ -16,9 +16,9 @@ from typing import Any
 import prometheus_client
 import pytest
 
+from spectrain_api.names import DRAFTER_STATES
 from spectrain_operator import builders, objects
 from spectrain_operator import spec as specmod
-from spectrain_workloads.contract import DRAFTER_STATES
 from tests.unit.test_helm_chart import CHART, NAMESPACE, VARIANTS, by_kind, notes, one, render
 
 pytestmark = pytest.mark.unit

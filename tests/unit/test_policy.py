@@ -27,11 +27,11 @@ from typing import Any
 
 import pytest
 
+from spectrain_api.names import EXIT_PEER_FRAME
 from spectrain_operator import builders, scheduling, spec
 from spectrain_operator.policy import failures, lifecycle, progress, restart
 from spectrain_operator.policy.context import Context
 from spectrain_operator.policy.plan import Outcome
-from spectrain_workloads.contract import EXIT_PEER_FRAME
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.ring import (
     LAYOUT_VERSION,
     PayloadTooLarge,

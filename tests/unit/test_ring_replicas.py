@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from spectrain_workloads.config import from_manifest
-from spectrain_workloads.contract import check_spec
+from spectrain_api.config import from_manifest
+from spectrain_api.rules import check_spec
 from spectrain_workloads.drafter import checks
 from spectrain_workloads.drafter.allreduce import Result
 from spectrain_workloads.drafter.fleet import Fleet, FleetConfig

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.model import ModelConfig, Transformer
 from spectrain_workloads.ring import RingConsumer, RingProducer, WindowKind
 from spectrain_workloads.rl.grpo import (

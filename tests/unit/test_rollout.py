@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.model import KVCache
 from spectrain_workloads.specdec.adapters import EagleDraft, LMDraft
 from spectrain_workloads.specdec.config import RolloutConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.harvest.schedule import Op, ScaledTimeline, Schedule, simulate
 
 pytestmark = pytest.mark.unit

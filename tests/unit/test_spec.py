@@ -79,7 +79,7 @@ def test_derived_copies_are_identical() -> None:
 
 
 def test_crd_defaults_equal_the_workload_config_defaults() -> None:
-    from spectrain_workloads import config
+    from spectrain_api import config
 
     defaulted = config.from_manifest(spec.defaulted(base()))
     plain = config.JobConfig(name="job", target=config.TargetSpec(image="img:1"))

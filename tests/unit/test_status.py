@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from spectrain_api.names import ANNOTATION_DRAFTER_DISABLED
 from spectrain_operator import builders, spec
 from spectrain_operator import status as st
-from spectrain_workloads.contract import ANNOTATION_DRAFTER_DISABLED
 
 pytestmark = pytest.mark.unit
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from spectrain_workloads import exitcodes
-from spectrain_workloads.contract import ENV_TERMINATION_LOG
-from spectrain_workloads.errors import ConfigError
+from spectrain_api import exitcodes
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import ENV_TERMINATION_LOG
 
 pytestmark = pytest.mark.unit
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from spectrain_workloads.config import JobConfig, Parallelism, TargetSpec
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.config import JobConfig, Parallelism, TargetSpec
+from spectrain_api.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from spectrain_workloads.fsio import atomic_dir, atomic_write
+from spectrain_api.fsio import atomic_dir, atomic_write
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from spectrain_workloads.contract import ENV_DATA_ROOT
-from spectrain_workloads.errors import ConfigError
+from spectrain_api import volumes
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import ENV_DATA_ROOT
 from spectrain_workloads.tokenizer import ByteTokenizer
 
 SOURCE_FIELD = "spec.target.data.source"
@@ -42,18 +43,7 @@ _BINARY_PROBE = 4096   # bytes inspected for NUL to skip binary files
 def volume_path(field: str, uri: str, *, data_root: str | None = None) -> Path:
     """The local path of file:///abs/dir or pvc://<claim>/<path> (claims mounted under
     $SPECTRAIN_DATA_ROOT); ConfigError naming `field` when it is malformed, missing or unreadable."""
-    if uri.startswith("file://"):
-        path = Path(uri[len("file://"):])
-        if not path.is_absolute():
-            raise ConfigError(f"{field} {uri!r}: file:// needs an absolute path (file:///abs/dir)")
-    elif uri.startswith("pvc://"):
-        rest = uri[len("pvc://"):].strip("/")
-        if not rest:
-            raise ConfigError(f"{field} {uri!r}: use pvc://<claim>/<path>")
-        root = data_root or os.environ.get(ENV_DATA_ROOT, DEFAULT_DATA_ROOT)
-        path = Path(root) / rest
-    else:
-        raise ConfigError(f"{field} {uri!r}: use file:///abs/dir or pvc://<claim>/<path>")
+    path = Path(volumes.parse(field, uri).local_path(data_root or os.environ.get(ENV_DATA_ROOT, DEFAULT_DATA_ROOT)))
     if not path.exists():
         raise ConfigError(f"{field} {uri!r}: {path} does not exist; check the path (and for pvc:// "
                           "that the claim is mounted under $SPECTRAIN_DATA_ROOT)")
@@ -69,7 +59,7 @@ def resolve_source(source: str, *, data_root: str | None = None) -> tuple[Path, 
     if source.startswith("builtin:"):
         raise ConfigError(f"{SOURCE_FIELD} {source!r}: unknown builtin dataset; the only builtin is "
                           "'builtin:python-stdlib'")
-    if not source.startswith(("file://", "pvc://")):
+    if not source.startswith((volumes.FILE_SCHEME, volumes.PVC_SCHEME)):
         raise ConfigError(f"{SOURCE_FIELD} {source!r}: use builtin:python-stdlib, file:///abs/dir or "
                           "pvc://<claim>/<path>")
     return volume_path(SOURCE_FIELD, source, data_root=data_root), "*"

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -169,24 +169,6 @@ def generate(args: argparse.Namespace) -> dict[str, Any]:
             plain = RolloutEngine(target, dataclasses.replace(cfg, speculative=False))
             out.update(compare(engine, plain, ids, args.repeats))
     return out
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model directory (the target)")
-    p.add_argument("--drafter", required=True, help="drafter export root or v<N> directory")
-    p.add_argument("--prompt", default=None, help="one prompt")
-    p.add_argument("--prompts", default=None, help="file with one prompt per line")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-tokens", type=int, default=4,
-                   help="most drafted tokens per verification (1..32); the adaptive controller picks 0..K per step")
-    p.add_argument("--compare", action="store_true",
-                   help="also decode without the drafter: speedup_vs_plain (median of interleaved pairs, warm-up excluded)")
-    p.add_argument("--repeats", type=int, default=5, help="--compare: interleaved speculative/plain pairs (default 5)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu or cuda")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from spectrain_workloads.config import JobConfig
+from spectrain_api.config import JobConfig
 from spectrain_workloads.runtime import RankInfo, Runtime, TargetOptions
 from spectrain_workloads.shutdown import Terminator
 

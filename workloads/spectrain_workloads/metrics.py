@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spectrain_workloads.contract import ENV_RUN_DIR, WINDOW_KINDS
-from spectrain_workloads.fsio import atomic_write_json
+from spectrain_api.fsio import atomic_write_json
+from spectrain_api.names import ENV_RUN_DIR, WINDOW_KINDS
 
 KINDS = WINDOW_KINDS[:3]      # the target trainer's kinds; RolloutTail (mode RL) is counted as it comes
 

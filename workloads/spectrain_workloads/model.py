@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spectrain_workloads.contract import ModelConfig, model_config
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.config import ModelConfig, model_config
+from spectrain_api.errors import ConfigError
 
 
 class RMSNorm(nn.Module):

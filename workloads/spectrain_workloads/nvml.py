@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from spectrain_workloads.contract import ENV_GPU_SHARING
+from spectrain_api.names import ENV_GPU_SHARING
 
 DEFAULT_MPS_PIPE_DIR = "/tmp/nvidia-mps"
 

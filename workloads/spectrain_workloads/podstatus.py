@@ -23,8 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from spectrain_workloads.contract import ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_RUN_DIR
-from spectrain_workloads.fsio import atomic_write_json
+from spectrain_api.fsio import atomic_write_json
+from spectrain_api.names import ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_RUN_DIR
 
 PROGRESS_ANNOTATION = "spectrain.io/progress"
 DRAFTER_ANNOTATION = "spectrain.io/drafter"

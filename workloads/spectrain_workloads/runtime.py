@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spectrain_workloads.checkpoint import CheckpointManager, save_shared
-from spectrain_workloads.config import JobConfig
-from spectrain_workloads.contract import (
+from spectrain_api.config import JobConfig
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import (
     DEVICES,
     ENV_DEVICE,
     ENV_DRAFTER_ENABLED,
@@ -34,9 +34,9 @@ from spectrain_workloads.contract import (
     ENV_RING_DIR,
     ENV_RUN_DIR,
     EXIT_TERMINATED,
-    require_valid,
 )
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.rules import require_valid
+from spectrain_workloads.checkpoint import CheckpointManager, save_shared
 from spectrain_workloads.metrics import MetricsWriter
 from spectrain_workloads.shutdown import Terminator
 from spectrain_workloads.tokenizer import ByteTokenizer

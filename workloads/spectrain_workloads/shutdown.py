@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from spectrain_workloads.contract import EXIT_TERMINATED
+from spectrain_api.names import EXIT_TERMINATED
 
 
 def block_sigterm() -> None:

@@ -13,11 +13,8 @@ spectrain_operator.gpu_sharing). It
    signal N killed it). The drafter never decides the container's exit code.
 
 SIGTERM / SIGINT are forwarded to the target and the drafter; the MPS daemon is stopped last.
-At exit the supervisor writes its verdict as JSON to ``--termination-log`` (the container's
-terminationMessagePath), which spectrain_operator.faults.classify_pod reads:
-``{"spectrainSupervisor": {"cause": "success" | "target" | "mps" | "mps-by-drafter" | "mps-daemon",
-"targetExitCode", "drafterFailures", "drafterDisabled", "lastDrafterExitCode", "mpsExitCode",
-"targetMessage"}}``. The target and the drafter each get a private SPECTRAIN_TERMINATION_LOG (so
+At exit the supervisor writes its verdict (spectrain_api.verdict) as JSON to ``--termination-log``
+(the container's terminationMessagePath), which spectrain_operator.faults.classify_pod reads. The target and the drafter each get a private SPECTRAIN_TERMINATION_LOG (so
 neither clobbers the verdict); ``targetMessage`` carries the target's fatal error line from it (a
 configuration error's message reaches the job's Failed/ConfigError condition that way). The
 supervisor's own usage errors exit 2 (EXIT_CONFIG) with the error as the termination message.
@@ -41,46 +38,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spectrain_workloads.contract import (
+from spectrain_api.exitcodes import returncode_to_exit, write_termination_message
+from spectrain_api.names import (
     ENV_TERMINATION_LOG,
     EXIT_CONFIG,
     EXIT_GPU_FAULT,
     GPU_FAULT_EXIT_CODES,
     MPS_LOSS_WINDOW_S,
-    SUPERVISOR_VERDICT_KEY,
     TERMINATION_LOG,
 )
-from spectrain_workloads.exitcodes import returncode_to_exit, write_termination_message
-
-# The target's fatal error line carried in the verdict (the whole verdict must stay under the
-# kubelet's 4096-byte termination message limit).
-MAX_TARGET_MESSAGE_CHARS = 1024
+from spectrain_api.verdict import MAX_TARGET_MESSAGE_CHARS, SupervisorVerdict
 
 
 def _log(msg: str) -> None:
     print(f"[spectrain-supervisor] {msg}", file=sys.stderr, flush=True)
-
-
-@dataclass
-class Verdict:
-    cause: str = "target"
-    target_exit_code: int | None = None
-    drafter_failures: int = 0
-    drafter_disabled: bool = False
-    last_drafter_exit_code: int | None = None
-    mps_exit_code: int | None = None
-    target_message: str | None = None
-
-    def to_json(self) -> str:
-        return json.dumps({SUPERVISOR_VERDICT_KEY: {
-            "cause": self.cause,
-            "targetExitCode": self.target_exit_code,
-            "drafterFailures": self.drafter_failures,
-            "drafterDisabled": self.drafter_disabled,
-            "lastDrafterExitCode": self.last_drafter_exit_code,
-            "mpsExitCode": self.mps_exit_code,
-            "targetMessage": self.target_message,
-        }}, sort_keys=True)
 
 
 @dataclass
@@ -102,7 +73,7 @@ class Supervisor:
     def __init__(self, cfg: SupervisorConfig, *, clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.clock = clock
-        self.verdict = Verdict()
+        self.verdict = SupervisorVerdict()
         self._target: subprocess.Popen[bytes] | None = None
         self._drafter: subprocess.Popen[bytes] | None = None
         self._mps: subprocess.Popen[bytes] | None = None

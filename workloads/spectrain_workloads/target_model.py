@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from spectrain_workloads.config import JobConfig
-from spectrain_workloads.contract import ModelConfig, pipeline_errors, preset_model_config
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.config import JobConfig, ModelConfig, preset_model_config
+from spectrain_api.errors import ConfigError
+from spectrain_api.rules import pipeline_errors
 from spectrain_workloads.hf.source import ModelDir
 
 

@@ -10,14 +10,15 @@ import json
 import os
 from pathlib import Path
 
-from spectrain_workloads.errors import ConfigError
-from spectrain_workloads.fsio import atomic_write_json
+from spectrain_api.errors import ConfigError
+from spectrain_api.fsio import atomic_write_json
+from spectrain_api.names import BYTE_VOCAB_SIZE
 
 
 class ByteTokenizer:
     kind = "byte"
     PAD, BOS, EOS = 256, 257, 258
-    vocab_size = 264
+    vocab_size = BYTE_VOCAB_SIZE
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         ids = list(text.encode("utf-8", errors="replace"))

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from spectrain_api.names import PHASES
 from spectrain_operator import pods as podlib
 from spectrain_operator.objects import Obj
 from spectrain_operator.pods import fmt_time, parse_time
 from spectrain_operator.policy.plan import MAX_MESSAGE_CHARS, Conditions, Plan
-from spectrain_workloads.contract import PHASES
 
 
 def nonneg_int(value: Any) -> int:

@@ -10,12 +10,12 @@ untouched; the next restart the job needs anyway builds pods without the sidecar
 
 from __future__ import annotations
 
+from spectrain_api.names import ANNOTATION_DRAFTER_DISABLED, EXIT_PEER_FRAME
 from spectrain_operator import builders, faults
 from spectrain_operator import pods as podlib
 from spectrain_operator.objects import DRAFTER, Obj
 from spectrain_operator.policy.context import Context, finite, nonneg_int
 from spectrain_operator.policy.plan import MAX_REASON_CHARS, TERMINAL, Event
-from spectrain_workloads.contract import ANNOTATION_DRAFTER_DISABLED, EXIT_PEER_FRAME
 
 
 def count_crashes(ctx: Context) -> dict[int, int]:

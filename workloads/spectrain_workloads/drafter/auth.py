@@ -37,8 +37,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spectrain_workloads.contract import ENV_FLEET_KEY_FILE
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import ENV_FLEET_KEY_FILE
 
 MAGIC = b"SPTRFLT\x00"
 PROTOCOL_VERSION = 1

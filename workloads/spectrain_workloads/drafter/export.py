@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from spectrain_api.errors import ConfigError
+from spectrain_api.fsio import atomic_dir, atomic_write_text
 from spectrain_workloads.drafter.models import EagleDrafter
-from spectrain_workloads.errors import ConfigError
-from spectrain_workloads.fsio import atomic_dir, atomic_write_text
 from spectrain_workloads.model import ModelConfig, Transformer
 
 FORMAT = "spectrain-drafter/1"

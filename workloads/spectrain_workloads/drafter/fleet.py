@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from spectrain_workloads.contract import STAR
+from spectrain_api.names import STAR
 from spectrain_workloads.drafter import checks
 from spectrain_workloads.drafter.auth import Identity, Session
 from spectrain_workloads.drafter.fleet_records import (

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from spectrain_workloads.contract import ENV_DRAFTER_BIND, ENV_DRAFTER_PEERS, ENV_DRAFTER_STORE
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import ENV_DRAFTER_BIND, ENV_DRAFTER_PEERS, ENV_DRAFTER_STORE
 from spectrain_workloads.drafter import checks
-from spectrain_workloads.errors import ConfigError
 
 # engine AllReduce: the drafters' TCPStore as host:port (tests, local runs); default `store_address`
 PEERS_ENV, BIND_ENV, STORE_ENV = ENV_DRAFTER_PEERS, ENV_DRAFTER_BIND, ENV_DRAFTER_STORE
@@ -103,7 +103,7 @@ class FleetConfig:
     target: checks.TargetSpec | None = None                      # default: read from run_dir at `expect`
     run_dir: str | None = None
     mac: bool = True                  # False: bench-fleet's measurement of the MACs' cost only
-    engine: str = "Star"              # contract.EXCHANGE_ENGINES: AllReduce sends no weights through the star
+    engine: str = "Star"              # names.EXCHANGE_ENGINES: AllReduce sends no weights through the star
     store: tuple[str, int] | None = None   # AllReduce: the drafters' TCPStore (`store_address`)
 
     def __post_init__(self) -> None:

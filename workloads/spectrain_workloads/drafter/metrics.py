@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spectrain_workloads.contract import ENV_RUN_DIR
+from spectrain_api.fsio import atomic_write_json
+from spectrain_api.names import ENV_RUN_DIR
 from spectrain_workloads.drafter.gating import ClosedWindow, quantile
-from spectrain_workloads.fsio import atomic_write_json
 
 NO_WINDOW = -1   # work under policy Always outside any window
 

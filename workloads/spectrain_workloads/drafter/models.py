@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.drafter.settings import DrafterSettings
-from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.model import Block, KVCache, ModelConfig, Transformer, rope_cache
 
 

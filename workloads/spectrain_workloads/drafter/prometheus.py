@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from spectrain_workloads.contract import DRAFTER_STATES
+from spectrain_api.names import DRAFTER_STATES
 
 PREFIX = "spectrain_drafter_"
 

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+from spectrain_api.errors import ConfigError
+from spectrain_api.fsio import atomic_dir
 from spectrain_workloads.drafter.hf_eagle import HFEagleDrafter, rope_theta
 from spectrain_workloads.drafter.models import config_digest
-from spectrain_workloads.errors import ConfigError
-from spectrain_workloads.fsio import atomic_dir
 from spectrain_workloads.hf.arch import head_dim
 
 SERVING_FORMAT = "spectrain-serving/1"

@@ -12,9 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from spectrain_workloads.config import DrafterSpec
-from spectrain_workloads.contract import ACTIVATION_POLICIES, DRAFTER_ARCHS, DRAFTER_PRESETS, WINDOW_KINDS
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.config import DrafterSpec
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import ACTIVATION_POLICIES, DRAFTER_ARCHS, DRAFTER_PRESETS, WINDOW_KINDS
 
 
 @dataclass(kw_only=True)

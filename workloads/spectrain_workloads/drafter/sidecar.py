@@ -12,15 +12,15 @@ rank's pod at its first drafter port + LOCAL_WORLD_SIZE).
 One worker per local rank follows ring file `ring-<i>`: in this process for one local rank,
 else in one spawned process each. A disabled drafter (SPECTRAIN_DRAFTER_ENABLED=0, drafter.enabled
 false, policy Off) stays up idle, since a native sidecar that exits is restarted by the kubelet.
-Disabled in place by the operator (pod annotation contract.ANNOTATION_DRAFTER_DISABLED, seen in the
+Disabled in place by the operator (pod annotation names.ANNOTATION_DRAFTER_DISABLED, seen in the
 downward-API file SPECTRAIN_DRAFTER_CONTROL names): checked before anything opens the ring, touches
 the device or builds a model, and again at most every CONTROL_EVERY_S while working; the worker then
 stops, releases its model and the ring, reports Disabled/DisabledByOperator and idles until SIGTERM.
-A failure caused by a peer's frame (errors.PeerFrameError) exits with contract.EXIT_PEER_FRAME, which
+A failure caused by a peer's frame (errors.PeerFrameError) exits with names.EXIT_PEER_FRAME, which
 the operator counts apart from the drafter's own faults.
 SIGTERM: each worker finishes its current task (<= one micro-step), writes a checkpoint and
 exits 0, well inside the default 30 s grace period. A fatal error exits with
-spectrain_workloads.exitcodes' code (2 for a configuration error) and writes its line as the
+spectrain_api.exitcodes' code (2 for a configuration error) and writes its line as the
 container's termination message (`write_termination_message`); drafter faults never fail the job.
 """
 
@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spectrain_workloads.contract import (
+from spectrain_api.errors import ConfigError, PeerFrameError
+from spectrain_api.names import (
     ANNOTATION_DRAFTER_DISABLED,
     ENV_DEVICE,
     ENV_DRAFTER_CONTROL,
@@ -47,7 +48,6 @@ from spectrain_workloads.contract import (
     ENV_RUN_DIR,
     EXIT_PEER_FRAME,
 )
-from spectrain_workloads.errors import ConfigError, PeerFrameError
 
 CONTROL_EVERY_S = 1.0            # how often a working drafter re-reads its control file (a stat and a read)
 REASON_DISABLED = "DisabledByOperator"
@@ -212,8 +212,8 @@ def _memory_cap(device: Any) -> int | None:
 
 def run_worker(local_rank: int, stop: Any = None) -> int:
     """Run the worker of one local rank until `stop` (a threading/multiprocessing Event) is set."""
-    from spectrain_workloads import config
-    from spectrain_workloads.contract import require_valid
+    from spectrain_api import config
+    from spectrain_api.rules import require_valid
 
     stop = stop or threading.Event()
     cfg = config.load()
@@ -237,7 +237,7 @@ def run_worker(local_rank: int, stop: Any = None) -> int:
 def _prometheus(rank: int, local_rank: int) -> tuple[Any, Any]:
     """The drafter's Prometheus endpoint on SPECTRAIN_METRICS_PORT + local rank (0 or unset: none).
     A port that cannot be bound costs the metrics, never the drafter: said on stderr."""
-    from spectrain_workloads.contract import ENV_METRICS_PORT
+    from spectrain_api.names import ENV_METRICS_PORT
     from spectrain_workloads.drafter.prometheus import DrafterCollector, serve
 
     base = _env_int(ENV_METRICS_PORT, 0)
@@ -302,7 +302,7 @@ def _fleet(cfg: Any, rank: int, world: int, export_rank: int) -> Any:
     """The exchange with the job's other drafters (drafter.fleet); None alone or when turned off.
     It listens on the pod's own addresses (ENV_POD_IPS, one socket per family; BIND_ENV overrides,
     comma-separated), never on every interface, and authenticates with the job's key."""
-    from spectrain_workloads.contract import (
+    from spectrain_api.names import (
         ALLREDUCE,
         ENV_FLEET_KEY_FILE,
         ENV_JOB_UID,
@@ -353,7 +353,7 @@ def _child(local_rank: int, stop: Any) -> None:
 
 def _fail(exc: BaseException) -> int:
     """Log the fatal error, write it as the container's termination message, return the exit code."""
-    from spectrain_workloads.exitcodes import exit_code_for, fatal_message, write_termination_message
+    from spectrain_api.exitcodes import exit_code_for, fatal_message, write_termination_message
 
     print(f"spectrain-drafter: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     write_termination_message(fatal_message(exc))

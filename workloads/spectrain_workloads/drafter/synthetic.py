@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from spectrain_workloads.fsio import atomic_write, atomic_write_json
+from spectrain_api.fsio import atomic_write, atomic_write_json
 from spectrain_workloads.model import ModelConfig, Transformer
 
 

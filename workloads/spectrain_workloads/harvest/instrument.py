@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spectrain_workloads.contract import WINDOW_KINDS
+from spectrain_api.names import WINDOW_KINDS
 from spectrain_workloads.harvest.imbalance_watch import Watch, make_watch
 from spectrain_workloads.harvest.window_history import BubbleHistory, CommHistory, Window
 

@@ -31,8 +31,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from spectrain_workloads.contract import INTERLEAVED, INTERLEAVED_CHUNKS, SCHEDULES
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import INTERLEAVED, INTERLEAVED_CHUNKS, SCHEDULES
 
 _STRUCT_TF, _STRUCT_TB = 1.0, 2.0
 # Interleaved1F1B idles at different positions for different tb/tf (GPipe and 1F1B do not): its slots

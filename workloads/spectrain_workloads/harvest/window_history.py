@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from spectrain_workloads.contract import WINDOW_KINDS
+from spectrain_api.names import WINDOW_KINDS
 from spectrain_workloads.harvest.window_predictors import (
     LinearFit,
     lagged_prediction_ns,

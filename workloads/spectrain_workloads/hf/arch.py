@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from spectrain_workloads.contract import HF_ARCHITECTURES
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import HF_ARCHITECTURES
 from spectrain_workloads.model import KVCache
 
 ATTN_IMPLEMENTATION = "sdpa"   # transformers' default on CPU and CUDA; the same kernels as its generate()

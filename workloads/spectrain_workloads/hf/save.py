@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from spectrain_workloads.fsio import atomic_write
+from spectrain_api.fsio import atomic_write
 from spectrain_workloads.hf.source import INDEX, ModelDir, read_safetensors_header
 
 

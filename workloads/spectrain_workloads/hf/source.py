@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spectrain_workloads.contract import HF_ARCHITECTURES, HUB_ID_HINT, ModelConfig, is_hub_id
+from spectrain_api.config import ModelConfig
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import HF_ARCHITECTURES
 from spectrain_workloads.data import volume_path
-from spectrain_workloads.errors import ConfigError
 
 FIELD = "spec.target.model.path"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -64,8 +65,6 @@ def sizes(raw: dict[str, Any]) -> ModelConfig:
 
 
 def resolve(uri: str, *, data_root: str | None = None) -> Path:
-    if is_hub_id(uri):
-        raise ConfigError(f"{FIELD} {uri!r}: {HUB_ID_HINT}")
     return volume_path(FIELD, uri, data_root=data_root)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.hf.arch import Rope, StaticKV, head_dim, hf_config, parts, rotary_positions
 from spectrain_workloads.hf.source import ModelDir, sizes
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 
 
 class HFTokenizer:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.harvest.schedule import Action, Op, ScaledTimeline, Schedule
 from spectrain_workloads.hooks import torch_internals as ti
 from spectrain_workloads.hooks.errors import HookError

@@ -36,14 +36,9 @@ from typing import Any
 
 import torch
 
-from spectrain_workloads.config import JobConfig
-from spectrain_workloads.config import load as load_config
-from spectrain_workloads.contract import (
-    ENV_CONFIG,
-    ENV_RUN_DIR,
-    WINDOW_KINDS,
-    ModelConfig,
-)
+from spectrain_api.config import JobConfig, ModelConfig
+from spectrain_api.config import load as load_config
+from spectrain_api.names import ENV_CONFIG, ENV_RUN_DIR, WINDOW_KINDS
 from spectrain_workloads.harvest.instrument import Instrument, InstrumentOptions, instrumented_step
 from spectrain_workloads.hooks.errors import HookError
 from spectrain_workloads.hooks.windows import ManualWindow, ManualWindows

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from spectrain_workloads.config import OptimizerSpec
-from spectrain_workloads.contract import BASIS_GEOMETRIES, BASIS_SOURCES, OPTIMIZERS
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.config import OptimizerSpec
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import BASIS_GEOMETRIES, BASIS_SOURCES, OPTIMIZERS
 from spectrain_workloads.optim.basis_rotation import BasisRotation
 from spectrain_workloads.optim.pipedream_lr import PipeDreamLR, staleness_lr_factor
 

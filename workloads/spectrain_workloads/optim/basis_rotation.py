@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from spectrain_workloads.contract import BASIS_GEOMETRIES, BASIS_SOURCES
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import BASIS_GEOMETRIES, BASIS_SOURCES
 
 
 def _check(field: str, ok: bool, msg: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 
 
 def staleness_lr_factor(step: int, delay: int, anneal_steps: int | None) -> float:

@@ -8,11 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from spectrain_api.names import WINDOW_KINDS
 from spectrain_workloads.report.data import RankData
 from spectrain_workloads.report.harvest import rank_figures
 from spectrain_workloads.report.rl import per_step, step_records
 
-KIND_COLORS = {"Bubble": "#4C72B0", "Communication": "#55A868", "Imbalance": "#C44E52", "RolloutTail": "#8172B2"}
+KIND_COLORS = dict(zip(WINDOW_KINDS, ("#4C72B0", "#55A868", "#C44E52", "#8172B2"), strict=True))
 DRAFTER_COLOR = "#DD8452"
 
 

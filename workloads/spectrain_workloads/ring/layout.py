@@ -21,7 +21,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import ENV_RING_DIR
 
 MAGIC = b"SPECRING"
 LAYOUT_VERSION = 1
@@ -155,8 +156,8 @@ def ring_path(ring_dir: str | os.PathLike[str], local_rank: int) -> Path:
 
 def ring_path_from_env(local_rank: int) -> Path:
     """`ring_path($SPECTRAIN_RING_DIR, local_rank)`; a clear error when the variable is unset."""
-    ring_dir = os.environ.get("SPECTRAIN_RING_DIR")
+    ring_dir = os.environ.get(ENV_RING_DIR)
     if not ring_dir:
-        raise ConfigError("SPECTRAIN_RING_DIR is not set: the operator (or `spectrain run`) sets it to the "
+        raise ConfigError(f"{ENV_RING_DIR} is not set: the operator (or `spectrain run`) sets it to the "
                           "memory-backed ring volume; set it by hand to a tmpfs directory such as /dev/shm/x")
     return ring_path(ring_dir, local_rank)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from spectrain_api.names import WINDOW_KINDS
 from spectrain_workloads.ring import sync
 
 if TYPE_CHECKING:
@@ -35,8 +36,8 @@ class WindowKind(enum.IntEnum):
         raise ValueError(f"unknown window kind {name!r}: use one of {', '.join(_API_NAMES.values())}")
 
 
-_API_NAMES = {WindowKind.BUBBLE: "Bubble", WindowKind.COMMUNICATION: "Communication",
-              WindowKind.IMBALANCE: "Imbalance", WindowKind.ROLLOUT_TAIL: "RolloutTail"}
+# The API spelling of each kind is spectrain_api.names.WINDOW_KINDS, in the same order.
+_API_NAMES = dict(zip(WindowKind, WINDOW_KINDS, strict=True))
 KINDS_BY_VALUE = {int(k): k for k in WindowKind}
 
 

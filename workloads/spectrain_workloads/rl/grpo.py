@@ -30,14 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.model import Transformer
+from spectrain_workloads.ring.records import WindowKind
 from spectrain_workloads.rl.sidebyside import plain_rerun
 from spectrain_workloads.rl.tasks import TOKENIZER, Example, Task
 from spectrain_workloads.specdec.config import RolloutConfig, RolloutResult
 from spectrain_workloads.specdec.engine import RolloutEngine
-
-ROLLOUT_TAIL = 4          # ring.WindowKind.ROLLOUT_TAIL (the ring is optional here)
 
 
 @dataclass(kw_only=True)
@@ -279,7 +278,7 @@ class GRPOTrainer:
         def on_step(n_active: int, eng: RolloutEngine) -> None:
             if self.producer is not None and tail["wid"] is None and (n_active < self.cfg.tail_fraction * B or n_active == 0):
                 tail["start_ns"], tail["predicted_ns"] = time.monotonic_ns(), self._tail_pred_ns
-                tail["wid"] = self.producer.window_start(ROLLOUT_TAIL, stage=self.stage, step=self.step_idx,
+                tail["wid"] = self.producer.window_start(WindowKind.ROLLOUT_TAIL, stage=self.stage, step=self.step_idx,
                                                          predicted_duration_ns=self._tail_pred_ns)
                 send(tail["pending"], eng.result)
                 tail["pending"] = []

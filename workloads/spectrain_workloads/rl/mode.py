@@ -21,8 +21,8 @@ from typing import Any, cast
 import torch.distributed as dist
 from torch import nn
 
-from spectrain_workloads.config import JobConfig
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.config import JobConfig
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.loop import ModeLoop, StepReport
 from spectrain_workloads.rl.grpo import GRPOConfig, GRPOTrainer, sft_warmup
 from spectrain_workloads.rl.tasks import get_task

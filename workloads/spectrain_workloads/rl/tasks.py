@@ -14,7 +14,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()

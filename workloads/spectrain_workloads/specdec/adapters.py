@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from spectrain_workloads.contract import DRAFTER_ARCHS
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import DRAFTER_ARCHS
 from spectrain_workloads.model import Transformer
 
 

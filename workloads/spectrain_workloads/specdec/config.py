@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from spectrain_workloads.contract import DRAFT_STRATEGIES
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import DRAFT_STRATEGIES
 from spectrain_workloads.specdec.sampling import Sampling
 from spectrain_workloads.tokenizer import ByteTokenizer
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.model import KVCache, Transformer, causal_decode_mask
 from spectrain_workloads.specdec.adapters import DraftAdapter, as_drafter
 from spectrain_workloads.specdec.config import RolloutConfig, RolloutResult, RolloutStats

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 
 # accept(p_d [B, k], q_d [B, k], u [B, k] ~ U[0, 1)) -> bool [B, k]; p_d, q_d: target / draft
 # probability of each draft token. Swappable only so tests can prove a lossy rule is caught.

@@ -31,10 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from spectrain_workloads.config import JobConfig
-from spectrain_workloads.contract import preset_model_config
+from spectrain_api.config import JobConfig, preset_model_config
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.data import LoaderSpec, TokenLoader, load_corpus
-from spectrain_workloads.errors import ConfigError
 from spectrain_workloads.loop import ModeLoop, StepReport
 from spectrain_workloads.model import ModelConfig, Transformer
 from spectrain_workloads.optim import build_optimizer

@@ -11,7 +11,7 @@ Dispatch on spec.mode through `MODES`: each mode is a `loop.ModeLoop` (the one l
 resume, checkpoints, SIGTERM and metrics), imported lazily so that a configuration error exits
 before torch is imported.
 
-Exit codes (spectrain_workloads.exitcodes): 0 success, 2 configuration error (a message naming
+Exit codes (spectrain_api.exitcodes): 0 success, 2 configuration error (a message naming
 the field, before any training), 143 after a SIGTERM (checkpoint saved), 1 / 86 other errors.
 """
 
@@ -25,9 +25,10 @@ import traceback
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from spectrain_workloads.contract import ASYNC_PIPELINE, EXIT_CONFIG, EXIT_OK, PRETRAIN, RL, require_valid
-from spectrain_workloads.errors import ConfigError
-from spectrain_workloads.exitcodes import exit_code_for, returncode_to_exit
+from spectrain_api.errors import ConfigError
+from spectrain_api.exitcodes import exit_code_for, returncode_to_exit
+from spectrain_api.names import ASYNC_PIPELINE, EXIT_CONFIG, EXIT_OK, PRETRAIN, RL
+from spectrain_api.rules import require_valid
 
 if TYPE_CHECKING:
     from spectrain_workloads.loop import ModeLoop
@@ -106,7 +107,7 @@ def _reap(by_pid: dict[int, subprocess.Popen[Any]], left: set[int], grace_s: flo
 
 
 def run_rank() -> int:
-    from spectrain_workloads import config
+    from spectrain_api import config
     from spectrain_workloads.shutdown import block_sigterm
 
     # SIGTERM goes to a sigwait thread (shutdown.py): block it before torch starts any thread.
@@ -124,13 +125,13 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(spawn_local_ranks(local_world))
         code = run_rank()
     except ConfigError as exc:
-        from spectrain_workloads.exitcodes import fatal_message, write_termination_message
+        from spectrain_api.exitcodes import fatal_message, write_termination_message
 
         _log(fatal_message(exc))
         write_termination_message(fatal_message(exc))   # the job's Failed/ConfigError condition shows it
         sys.exit(EXIT_CONFIG)
     except Exception as exc:  # noqa: BLE001 - the exit code classifies it for the operator
-        from spectrain_workloads.exitcodes import fatal_message, write_termination_message
+        from spectrain_api.exitcodes import fatal_message, write_termination_message
 
         traceback.print_exc()
         write_termination_message(fatal_message(exc))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
 from spectrain_workloads.runtime import RankInfo
 
 

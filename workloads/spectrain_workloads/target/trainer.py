@@ -35,9 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spectrain_api.config import JobConfig
+from spectrain_api.rules import require_valid
 from spectrain_workloads.checkpoint import rng_state, set_rng_state
-from spectrain_workloads.config import JobConfig
-from spectrain_workloads.contract import require_valid
 from spectrain_workloads.data import LoaderSpec, TokenLoader, resolve_source
 from spectrain_workloads.harvest.comm_hook import make_comm_hook
 from spectrain_workloads.harvest.imbalance_watch import block_alarm_in_new_threads, unblock_alarm
@@ -70,7 +70,7 @@ class TrainingLayout:
 
 def make_layout(cfg: JobConfig, world: int) -> TrainingLayout:
     """The layout of a Pretrain run on `world` ranks; ConfigError naming the field on bad input
-    (every rule of `contract.check_spec`, the actual WORLD_SIZE, the data source's existence)."""
+    (every rule of `rules.check_spec`, the actual WORLD_SIZE, the data source's existence)."""
     require_valid(cfg)
     t, par = cfg.target, cfg.target.parallelism
     Topology(data=par.data, pipeline=par.pipeline).check(world, world_size_hint=cfg.world_size)

@@ -1,4 +1,4 @@
-"""The workload config: the SpecTrainJob spec (defaults applied) that the operator renders into
+"""The typed job config: the SpecTrainJob spec (defaults applied) that the operator renders into
 the `<job>-config` ConfigMap and the local backend writes to a file. Path: $SPECTRAIN_CONFIG.
 
 File shape: {"apiVersion", "kind", "metadata": {"name", "namespace"}, "spec": {...}}. Field names
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
-from spectrain_workloads.contract import ENV_CONFIG, WINDOW_KINDS
-from spectrain_workloads.errors import ConfigError
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import BYTE_VOCAB_SIZE, DEFAULT_PRESET, ENV_CONFIG, TARGET_PRESETS, WINDOW_KINDS
 
 
 @dataclass(kw_only=True)
@@ -30,7 +30,7 @@ class Parallelism:
 
 @dataclass(kw_only=True)
 class ModelSpec:
-    preset: str | None = None      # a project preset (contract.TARGET_PRESETS); neither: DEFAULT_PRESET
+    preset: str | None = None      # a project preset (names.TARGET_PRESETS); neither: DEFAULT_PRESET
     path: str | None = None        # a Hugging Face model directory: file:///abs/dir | pvc://<claim>/<path>
     overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -125,7 +125,7 @@ class ExchangeSpec:
     enabled: bool = True
     bandwidth_m_bps: float = 64.0        # bandwidthMBps: MB/s a drafter sends to its peers, at most
     combine_every_seconds: float = 10.0
-    engine: str = "Star"                 # how the replicas' weights are combined (contract.EXCHANGE_ENGINES)
+    engine: str = "Star"                 # how the replicas' weights are combined (names.EXCHANGE_ENGINES)
 
 
 @dataclass(kw_only=True)
@@ -219,3 +219,77 @@ def load(path: str | os.PathLike[str] | None = None) -> JobConfig:
 
         data = yaml.safe_load(text)
     return from_manifest(data)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Shape of the decoder (spectrain_workloads.model builds it); checked without torch."""
+
+    vocab_size: int = BYTE_VOCAB_SIZE
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
+    ffn_dim: int | None = None     # SwiGLU hidden; None = 8/3 * dim rounded to multiple_of
+    multiple_of: int = 32
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"spec.target.model.overrides.{name} must be an integer >= 1, got {value!r}")
+        for name in ("n_kv_heads", "ffn_dim"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"spec.target.model.overrides.{name} must be an integer >= 1 or null, "
+                                  f"got {value!r}")
+        if self.dim % self.n_heads:
+            raise ConfigError(f"spec.target.model.overrides: dim ({self.dim}) must be divisible by n_heads "
+                              f"({self.n_heads}); change one of them")
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"spec.target.model.overrides: n_heads ({self.n_heads}) must be divisible by "
+                              f"n_kv_heads ({self.n_kv_heads})")
+        if (self.dim // self.n_heads) % 2:
+            raise ConfigError(f"spec.target.model.overrides: the head dim dim/n_heads = {self.dim // self.n_heads} "
+                              "must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        h = int(8 * self.dim / 3)
+        return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def preset_model_config(model: Any) -> ModelConfig:
+    """The ModelConfig of a preset target (`spec.target.model` without a path) on the byte tokenizer."""
+    return model_config(model.preset or DEFAULT_PRESET, model.overrides, vocab_size=BYTE_VOCAB_SIZE)
+
+
+def model_config(preset: str, overrides: dict[str, Any] | None = None, **fixed: Any) -> ModelConfig:
+    """Preset + user overrides (+ values the runtime fixes, e.g. the tokenizer's vocab_size)."""
+    if preset not in TARGET_PRESETS:
+        raise ConfigError(f"spec.target.model.preset {preset!r} is unknown; use one of {list(TARGET_PRESETS)}")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    if not isinstance(overrides or {}, dict):
+        raise ConfigError("spec.target.model.overrides must be a mapping of model settings")
+    for key in overrides or {}:
+        if key not in known:
+            raise ConfigError(f"spec.target.model.overrides.{key} is not a model setting; valid keys: "
+                              f"{sorted(known)}")
+    return ModelConfig(**{**TARGET_PRESETS[preset], **(overrides or {}), **fixed})

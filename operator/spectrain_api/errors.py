@@ -1,4 +1,4 @@
-"""Errors shared by the workloads. Messages name the field and the fix."""
+"""Errors shared by the operator and the workloads. Messages name the field and the fix."""
 
 
 class ConfigError(ValueError):
@@ -7,4 +7,4 @@ class ConfigError(ValueError):
 
 class PeerFrameError(RuntimeError):
     """What a peer drafter sent made this drafter fail (fleet code raises it; the sidecar exits with
-    contract.EXIT_PEER_FRAME so the operator counts it apart from the drafter's own faults)."""
+    names.EXIT_PEER_FRAME so the operator counts it apart from the drafter's own faults)."""

@@ -1,6 +1,6 @@
 """Exit codes of the workload processes: which code an exception ends a process with.
 
-The codes themselves are `spectrain_workloads.contract`'s; the operator (spectrain_operator.faults)
+The codes themselves are `spectrain_api.names`'s; the operator (spectrain_operator.faults)
 reads them back from pod status. No torch import.
 
 | code | meaning |
@@ -21,7 +21,8 @@ from __future__ import annotations
 import os
 import re
 
-from spectrain_workloads.contract import (
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import (
     ENV_TERMINATION_LOG,
     EXIT_CONFIG,
     EXIT_ERROR,
@@ -46,8 +47,6 @@ def is_gpu_fault(exc: BaseException) -> bool:
 
 def exit_code_for(exc: BaseException) -> int:
     """The process exit code for an exception that ends a workload (entrypoints: `sys.exit(exit_code_for(e))`)."""
-    from spectrain_workloads.errors import ConfigError
-
     if isinstance(exc, ConfigError):
         return EXIT_CONFIG
     if is_gpu_fault(exc):
@@ -62,8 +61,6 @@ def returncode_to_exit(returncode: int) -> int:
 
 def fatal_message(exc: BaseException) -> str:
     """The one-line termination message for the exception that ends an entrypoint."""
-    from spectrain_workloads.errors import ConfigError
-
     if isinstance(exc, ConfigError):
         return f"configuration error: {exc}"
     return f"{type(exc).__name__}: {exc}"

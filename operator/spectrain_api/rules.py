@@ -1,0 +1,198 @@
+"""The semantic rules of a SpecTrainJob, defined once: `check_spec(cfg)` returns every reason the
+workloads would refuse a job at start, one line each (the field path, what is wrong, what to change).
+
+The operator's `spectrain validate` and reconcile call it (spectrain_operator.spec), and every
+workload entrypoint calls `require_valid` before any training. Needs neither torch nor a cluster.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spectrain_api import volumes
+from spectrain_api.config import JobConfig, preset_model_config
+from spectrain_api.errors import ConfigError
+from spectrain_api.names import (
+    ACTIVATION_POLICIES,
+    ASYNC_PIPELINE,
+    BASIS_GEOMETRIES,
+    BASIS_SOURCES,
+    DATA_BUILTINS,
+    DEFAULT_PRESET,
+    DRAFT_STRATEGIES,
+    DRAFTER_ARCHS,
+    DRAFTER_PRESETS,
+    EXCHANGE_ENGINES,
+    INTERLEAVED,
+    INTERLEAVED_CHUNKS,
+    MAX_DRAFT_TOKENS,
+    MODES,
+    OPTIMIZERS,
+    PRETRAIN,
+    RL,
+    RL_TASKS,
+    SCHEDULES,
+    WINDOW_KINDS,
+)
+
+
+def _one_of(path: str, value: Any, allowed: tuple[str, ...] | dict[str, Any]) -> list[str]:
+    return [] if value in allowed else [f"{path}: {value!r} is not one of: {', '.join(allowed)}"]
+
+
+def check_spec(cfg: JobConfig) -> list[str]:
+    """Every reason the workloads would refuse this job at start, one line each: the field path,
+    what is wrong and what to change. [] when it can run. Needs neither torch nor a cluster."""
+    t, d = cfg.target, cfg.drafter
+    par = t.parallelism
+    out = _one_of("spec.mode", cfg.mode, MODES)
+    out += _one_of("spec.target.parallelism.schedule", par.schedule, SCHEDULES)
+    out += _one_of("spec.target.optimizer.name", t.optimizer.name, OPTIMIZERS)
+    out += _one_of("spec.target.optimizer.basisRotation.geometry", t.optimizer.basis_rotation.geometry,
+                   BASIS_GEOMETRIES)
+    out += _one_of("spec.target.optimizer.basisRotation.source", t.optimizer.basis_rotation.source, BASIS_SOURCES)
+    out += _one_of("spec.drafter.arch", d.arch, DRAFTER_ARCHS)
+    out += _one_of("spec.drafter.preset", d.preset, DRAFTER_PRESETS)
+    out += _one_of("spec.drafter.activation.policy", d.activation.policy, ACTIVATION_POLICIES)
+    out += _kinds_errors(list(d.activation.kinds))
+    if not d.exchange.bandwidth_m_bps > 0:
+        out.append(f"spec.drafter.exchange.bandwidthMBps: must be > 0 (MB/s a drafter may send to its peers), got "
+                   f"{d.exchange.bandwidth_m_bps}; to keep the drafters apart set spec.drafter.exchange.enabled: false")
+    out += _one_of("spec.drafter.exchange.engine", d.exchange.engine, EXCHANGE_ENGINES)
+    if not d.exchange.combine_every_seconds >= 1:
+        out.append(f"spec.drafter.exchange.combineEverySeconds: must be >= 1, got {d.exchange.combine_every_seconds}")
+    out += _data_source_errors(t.data.source)
+    if par.data < 1 or par.pipeline < 1 or par.microbatches < 1:
+        return out + [f"spec.target.parallelism: data ({par.data}), pipeline ({par.pipeline}) and microbatches "
+                      f"({par.microbatches}) must all be >= 1"]
+    if par.data * par.pipeline != cfg.world_size:
+        out.append(f"spec.target.parallelism: data ({par.data}) x pipeline ({par.pipeline}) = "
+                   f"{par.data * par.pipeline} must equal nodes x procsPerNode = {cfg.world_size}")
+    out += _mode_errors(cfg)
+    if t.model.path is not None:   # its layer count is known where the directory is mounted (hf.source)
+        if cfg.mode == ASYNC_PIPELINE:
+            out.append("spec.target.model.path: mode AsyncPipeline trains the project's presets only; a Hugging "
+                       "Face model trains in mode Pretrain or RL (use spec.target.model.preset for this mode)")
+        return out + model_path_errors(t.model) + pipeline_errors(cfg, None)
+    try:
+        mcfg = preset_model_config(t.model)
+    except ConfigError as exc:
+        return out + [str(exc)]
+    except TypeError as exc:        # a wrong value type inside overrides
+        return out + [f"spec.target.model.overrides: {exc}"]
+    out += pipeline_errors(cfg, mcfg.n_layers)
+    if t.data.seq_len > mcfg.max_seq_len:
+        out.append(f"spec.target.data.seqLen: {t.data.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len} "
+                   f"(preset {t.model.preset or DEFAULT_PRESET}); lower seqLen or set "
+                   "spec.target.model.overrides.max_seq_len")
+    return out
+
+
+def model_path_errors(model: Any) -> list[str]:
+    """The rules of `spec.target.model.path` that need no file system (the operator checks them too);
+    the directory itself is checked where it is mounted (hf.source.inspect)."""
+    path, field = model.path, "spec.target.model.path"
+    out: list[str] = []
+    if model.preset is not None:
+        out.append(f"spec.target.model: preset ({model.preset!r}) and path are exclusive; remove preset to "
+                   "train the model at path, or path to train the preset")
+    if model.overrides:
+        out.append(f"spec.target.model.overrides: not applied to a model given by path (its config.json "
+                   f"decides its shape); remove overrides ({sorted(model.overrides)})")
+    return out + volumes.errors(field, path)
+
+
+def _kinds_errors(kinds: list[str]) -> list[str]:
+    path = "spec.drafter.activation.kinds"
+    if not kinds:
+        return [f"{path}: empty; list at least one of {', '.join(WINDOW_KINDS)}"]
+    bad = [k for k in kinds if k not in WINDOW_KINDS]
+    if bad:
+        return [f"{path}: unknown kinds {bad}; use {', '.join(WINDOW_KINDS)}"]
+    if len(set(kinds)) != len(kinds):
+        return [f"{path}: duplicates; list each kind once"]
+    return []
+
+
+def _data_source_errors(source: str) -> list[str]:
+    path = "spec.target.data.source"
+    if source.startswith(volumes.BUILTIN_SCHEME):
+        name = source[len(volumes.BUILTIN_SCHEME):]
+        return [] if name in DATA_BUILTINS else [
+            f"{path}: {source!r} is not a builtin dataset; use one of "
+            f"{', '.join(volumes.BUILTIN_SCHEME + b for b in DATA_BUILTINS)}, {volumes.FORMS}"]
+    if not source.startswith((volumes.FILE_SCHEME, volumes.PVC_SCHEME)):
+        return [f"{path}: {source!r}: use {volumes.BUILTIN_SCHEME}{DATA_BUILTINS[0]}, {volumes.FORMS}"]
+    return volumes.errors(path, source)
+
+
+def _mode_errors(cfg: JobConfig) -> list[str]:
+    t, par = cfg.target, cfg.target.parallelism
+    out: list[str] = []
+    if (cfg.mode == RL) != (t.rl is not None):
+        out.append("spec.target.rl: required when spec.mode is RL and forbidden otherwise")
+    if cfg.mode == RL and par.pipeline != 1:
+        out.append(f"spec.target.parallelism.pipeline: mode RL runs data-parallel only (rollouts need the whole "
+                   f"model on each rank); set pipeline to 1 (got {par.pipeline})")
+    if cfg.mode == RL and t.rl is not None:
+        rl = t.rl
+        out += _one_of("spec.target.rl.task", rl.task, RL_TASKS)
+        out += _one_of("spec.target.rl.speculative.strategy", rl.speculative.strategy, DRAFT_STRATEGIES)
+        if rl.group_size < 2:
+            out.append(f"spec.target.rl.groupSize: must be >= 2 (GRPO advantages are group-relative), "
+                       f"got {rl.group_size}")
+        if not 1 <= rl.speculative.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            out.append(f"spec.target.rl.speculative.maxDraftTokens: must be in 1..{MAX_DRAFT_TOKENS}, "
+                       f"got {rl.speculative.max_draft_tokens}")
+        if rl.max_new_tokens < 1:
+            out.append(f"spec.target.rl.maxNewTokens: must be >= 1, got {rl.max_new_tokens}")
+        if rl.temperature < 0:
+            out.append(f"spec.target.rl.temperature: must be >= 0 (0 is greedy), got {rl.temperature}")
+    if cfg.mode == ASYNC_PIPELINE:
+        if par.pipeline < 2:
+            out.append(f"spec.target.parallelism.pipeline: mode AsyncPipeline needs >= 2 stages, got {par.pipeline}")
+        if par.data != 1:
+            out.append(f"spec.target.parallelism.data: mode AsyncPipeline runs one replica; set data to 1 "
+                       f"(got {par.data})")
+    if cfg.mode == PRETRAIN and t.data.batch_size % par.microbatches:
+        out.append(f"spec.target.data.batchSize: {t.data.batch_size} must be a multiple of "
+                   f"spec.target.parallelism.microbatches ({par.microbatches}); each microbatch takes "
+                   "batchSize / microbatches sequences")
+    return out
+
+
+def pipeline_errors(cfg: JobConfig, n_layers: int | None) -> list[str]:
+    """The pipeline rules; those about the layer count only when it is known (`n_layers`)."""
+    par = cfg.target.parallelism
+    model = cfg.target.model
+    what = f"preset {model.preset or DEFAULT_PRESET}" if model.path is None else f"model at {model.path}"
+    out: list[str] = []
+    if par.pipeline > 1 and par.microbatches < par.pipeline and cfg.mode == PRETRAIN:
+        out.append(f"spec.target.parallelism.microbatches: must be >= pipeline ({par.pipeline}) when "
+                   f"pipeline > 1, got {par.microbatches}")
+    if n_layers is not None and n_layers % par.pipeline:
+        out.append(f"spec.target.parallelism.pipeline: {par.pipeline} stages do not divide the model's "
+                   f"{n_layers} layers ({what}); choose a divisor of {n_layers}"
+                   + (" or set spec.target.model.overrides.n_layers" if model.path is None else ""))
+    if par.schedule == INTERLEAVED and cfg.mode == PRETRAIN:
+        v = INTERLEAVED_CHUNKS
+        if par.pipeline < 2:
+            out.append("spec.target.parallelism.pipeline: Interleaved1F1B interleaves model chunks across "
+                       "pipeline ranks and needs pipeline >= 2; use schedule 1F1B for pipeline 1")
+        elif par.microbatches % par.pipeline:
+            out.append(f"spec.target.parallelism.microbatches: Interleaved1F1B needs a multiple of pipeline "
+                       f"({par.pipeline}), got {par.microbatches}")
+        if n_layers is not None and n_layers % (v * par.pipeline):
+            fix = (f"set spec.target.model.overrides.n_layers to a multiple of {v * par.pipeline}, lower pipeline, "
+                   "or use schedule 1F1B") if model.path is None else "lower pipeline or use schedule 1F1B"
+            out.append(f"spec.target.parallelism.schedule: Interleaved1F1B gives each of the {par.pipeline} "
+                       f"pipeline ranks {v} model chunks, so {v} x pipeline = {v * par.pipeline} must divide the "
+                       f"model's {n_layers} layers; {fix}")
+    return out
+
+
+def require_valid(cfg: JobConfig) -> None:
+    """ConfigError with every problem of `cfg` (the entrypoints' first call)."""
+    errors = check_spec(cfg)
+    if errors:
+        raise ConfigError("; ".join(errors))
