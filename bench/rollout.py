@@ -23,7 +23,7 @@ order; speedup = median over pairs of plain time / adaptive time (robust to the 
 machine); min_cpu_speedup(_t1) and detail.*.cpu_speedup: the same from the process's CPU time (one torch
 thread), which leaves out the waits for a core that a loaded machine adds to wall time. acceptance_length(_t1): tokens per row-verification at batch 1 (median over repetitions).
 Greedy: speculative output == plain output is asserted (CPU). Temperature 1: the two engines sample
-different (equally distributed: tests/unit/test_specdec.py) rows; distinct_4gram_fraction_t1 (mean over
+different (equally distributed: tests/unit/workloads/specdec/test_specdec.py) rows; distinct_4gram_fraction_t1 (mean over
 the generated rows of distinct 4-grams / 4-grams; ~1: no repetition) shows that the sampled text does not
 loop (distinct_4gram_fraction: the same for the greedy rows, which do). detail.acceptance_length_t1_
 greedy_drafter: the greedy drafter's acceptance at temperature 1, batch 1, for comparison.

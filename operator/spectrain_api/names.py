@@ -111,6 +111,10 @@ ENV_POD_IPS = "SPECTRAIN_POD_IPS"
 # touches the GPU or the ring again); the target's pods are neither deleted nor restarted.
 ENV_DRAFTER_CONTROL = "SPECTRAIN_DRAFTER_CONTROL"
 ANNOTATION_DRAFTER_DISABLED = "spectrain.io/drafter-disabled"
+# The status path (spectrain_workloads.podstatus writes them on the pod, the operator's status policies
+# read them): rank 0's training progress and each drafter's summary, as JSON.
+ANNOTATION_PROGRESS = "spectrain.io/progress"
+ANNOTATION_DRAFTER = "spectrain.io/drafter"
 DEVICES = ("auto", "cpu", "cuda")
 # The workload image's non-root user (workloads/Dockerfile ARG UID/GID): the operator's pods run as it
 # by default (Pod Security "restricted"), and PodLocalMPS's one shared UID defaults to it.

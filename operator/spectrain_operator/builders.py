@@ -13,7 +13,6 @@ env and volumes: docs/contracts.md.
 
 from __future__ import annotations
 
-import base64
 import copy
 import json
 from typing import Any
@@ -38,23 +37,29 @@ from spectrain_api.names import (
     ENV_RESTART_GENERATION,
     ENV_RING_DIR,
     ENV_RUN_DIR,
-    IMAGE_GID,
-    IMAGE_UID,
     KIND,
 )
+from spectrain_operator import access
 from spectrain_operator import spec as specmod
 from spectrain_operator.objects import (
     LABEL_JOB,
     Obj,
+    config_name,
+    fleet_key_name,
     job_labels,
+    network_policy_name,
     owner_reference,
+    parse_quantity,
+    pod_name,
+    pod_names,
+    pod_object_name,
+    service_name,
+    status_account_name,
 )
 from spectrain_operator.objects import child_metadata as _meta
 
 LABEL_NODE = "spectrain.io/node-index"
 LABEL_GENERATION = "spectrain.io/restart-generation"
-ANNOTATION_PROGRESS = "spectrain.io/progress"
-ANNOTATION_DRAFTER = "spectrain.io/drafter"
 
 CONFIG_DIR = "/etc/spectrain"
 CONFIG_KEY = "config.json"
@@ -74,13 +79,8 @@ DRAFTER_PORT = 29600       # the drafters' exchange (drafter.fleet); local rank 
 # each): the operator disables a drafter in place by annotating its pod (ANNOTATION_DRAFTER_DISABLED).
 PODINFO_DIR = f"{CONFIG_DIR}/podinfo"
 PODINFO_ANNOTATIONS = "annotations"
-# The per-job fleet key: Secret `<job>-fleet-key`, data key `key` = 64 lowercase hex characters (32
-# random bytes), mounted only into the drafter container; the kubelet makes the file group-readable for
-# the pods' fsGroup (POD_SECURITY_DEFAULTS), which is how the image's non-root user reads it.
+# The drafters' fleet key (spectrain_operator.access), mounted read-only into the drafter container only.
 FLEET_KEY_DIR = f"{CONFIG_DIR}/fleet-key"
-FLEET_KEY_ITEM = "key"
-FLEET_KEY_BYTES = 32
-FLEET_KEY_MODE = 0o400
 # The drafter container's memory limit when spec.drafter.resources sets none (a user value wins): a
 # drafter that leaks or is fed oversized frames is OOM-killed alone (a drafter fault), never the node.
 DRAFTER_MEMORY_LIMIT = "8Gi"
@@ -89,73 +89,6 @@ DRAFTER_COMMAND = ["spectrain-drafter"]
 # The workloads write their fatal error line to /dev/termination-log; without one (a crash before
 # the entrypoint ran) the kubelet puts the log's tail there. faults.classify_pod reads it back.
 TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
-# Pod Security "restricted" by default (docs/operations.md, Security). User, group and seccomp are set on
-# the pod, so they cover every container (init containers and the gpu_sharing ones included) and one
-# spec.podSecurityContext field changes them all; what exists only per container is set on each one. A
-# field of spec.podSecurityContext / spec.<target|drafter>.securityContext replaces its default (the CRD's
-# rules have refused root, privilege and escalation before a builder runs). fsGroup: the kubelet gives the
-# volumes (PVCs, the fleet key Secret) that group, so the image's user can read and write them.
-POD_SECURITY_DEFAULTS: Obj = {
-    "runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_GID, "fsGroup": IMAGE_GID,
-    "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"},
-}
-CONTAINER_SECURITY_DEFAULTS: Obj = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-
-
-# ---------------------------------------------------------------- names
-
-def config_name(job: Obj) -> str:
-    return f"{job['metadata']['name']}-config"
-
-
-def service_name(job: Obj) -> str:
-    return str(job["metadata"]["name"])
-
-
-def status_account_name(job: Obj) -> str:
-    return f"{job['metadata']['name']}-status"
-
-
-def fleet_key_name(job: Obj) -> str:
-    return f"{job['metadata']['name']}-fleet-key"
-
-
-def pod_name(job: Obj, node: int) -> str:
-    """The rank's name: its pod's hostname (peers address it as <pod_name>.<service>), and the
-    pod's name except for a Kueue-queued job's odd restart generations (`pod_object_name`)."""
-    return f"{job['metadata']['name']}-{node}"
-
-
-def pod_object_name(job: Obj, node: int, generation: int = 0) -> str:
-    """metadata.name of the pod of `node` in restart `generation`.
-
-    A Kueue-queued job (scheduling.kueue_queue) alternates between `<job>-<node>` (even
-    generations) and `<job>-<node>-r` (odd): Kueue's plain-pod-group integration keeps a pod that
-    ended (its `kueue.x-k8s.io/managed` finalizer) until a replacement pod of the group exists, so a
-    replacement cannot reuse the old pod's name. The pod two generations back is gone by then (Kueue
-    finalizes replaced pods), so two names suffice and the status Role can list them all.
-    """
-    from spectrain_operator import scheduling
-
-    base = pod_name(job, node)
-    return f"{base}-r" if generation % 2 and scheduling.kueue_queue(job) else base
-
-
-def pod_names(job: Obj) -> list[str]:
-    """Every name a pod of the job can have (the status Role allows patching exactly these)."""
-    from spectrain_operator import scheduling
-
-    nodes = range(int(job["spec"]["target"]["nodes"]))
-    return [pod_object_name(job, n, g) for g in ((0, 1) if scheduling.kueue_queue(job) else (0,)) for n in nodes]
-
-
-def network_policy_name(job: Obj) -> str:
-    return str(job["metadata"]["name"])
-
-
-def selector(job: Obj) -> str:
-    """Label selector of every child of the job."""
-    return f"{LABEL_JOB}={job['metadata']['name']}"
 
 
 # ---------------------------------------------------------------- non-pod children
@@ -180,36 +113,6 @@ def service(job: Obj) -> Obj:
                                 "protocol": "TCP"},
                                {"name": "drafter", "port": DRAFTER_PORT, "targetPort": DRAFTER_PORT,
                                 "protocol": "TCP"}]}}
-
-
-def status_rbac(job: Obj) -> list[Obj]:
-    """ServiceAccount + Role (patch only its own pods, by name) + RoleBinding for the status path."""
-    name = status_account_name(job)
-    ns = job["metadata"].get("namespace", "default")
-    return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(job, name)},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(job, name),
-         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"],
-                    "resourceNames": pod_names(job)}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(job, name),
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]},
-    ]
-
-
-def fleet_key_text(raw: bytes) -> str:
-    """The key as the drafters read it: 64 lowercase hex characters of FLEET_KEY_BYTES random bytes."""
-    if not isinstance(raw, bytes) or len(raw) != FLEET_KEY_BYTES:
-        raise ValueError(f"fleet key: need {FLEET_KEY_BYTES} random bytes (secrets.token_bytes), got "
-                         f"{len(raw) if isinstance(raw, bytes) else type(raw).__name__}")
-    return raw.hex()
-
-
-def fleet_key_secret(job: Obj, raw: bytes) -> Obj:
-    """Secret `<job>-fleet-key` holding `raw` (created once: create-or-get, never rotated)."""
-    text = fleet_key_text(raw)
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(job, fleet_key_name(job)), "type": "Opaque",
-            "data": {FLEET_KEY_ITEM: base64.b64encode(text.encode()).decode()}}
 
 
 def metrics_ports(job: Obj) -> list[int]:
@@ -237,48 +140,7 @@ def metrics_container_ports(job: Obj, name: str, base: int) -> list[Obj]:
             for i in range(int(job["spec"]["target"]["procsPerNode"]))]
 
 
-def network_policy_enabled(job: Obj) -> bool:
-    return bool((job["spec"].get("networkPolicy") or {}).get("enabled", True))
-
-
-def network_policy(job: Obj) -> Obj:
-    """NetworkPolicy `<job>` on the job's pods: every port from the job's own pods (the c10d store and the
-    drafter exchange, but also the ports gloo and NCCL pick at random for their peer links, which no
-    port list can name), the metrics ports from the namespaces of spec.networkPolicy.metricsFrom ({}:
-    all), nothing else. Ingress only: the pods' egress (API server, DNS, registries) is left to the
-    namespace's policies."""
-    own = {"matchLabels": {LABEL_JOB: job["metadata"]["name"]}}
-    metrics_from = copy.deepcopy((job["spec"].get("networkPolicy") or {}).get("metricsFrom") or {})
-    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": _meta(job, network_policy_name(job)),
-            "spec": {"podSelector": own, "policyTypes": ["Ingress"],
-                     "ingress": [{"from": [{"podSelector": copy.deepcopy(own)}]},
-                                 {"from": [{"namespaceSelector": metrics_from}],
-                                  "ports": [{"protocol": "TCP", "port": port} for port in metrics_ports(job)]}]}}
-
-
 # ---------------------------------------------------------------- pods
-
-def _overlay(defaults: Obj, overrides: Obj | None) -> Obj:
-    """`defaults` with each field of `overrides` replacing it; a mapping in both (capabilities,
-    seccompProfile) is merged one level, so adding NET_BIND_SERVICE keeps `drop: [ALL]`."""
-    out = copy.deepcopy(defaults)
-    for key, value in (overrides or {}).items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = {**out[key], **copy.deepcopy(value)}
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def pod_security_context(job: Obj) -> Obj:
-    return _overlay(POD_SECURITY_DEFAULTS, job["spec"].get("podSecurityContext"))
-
-
-def container_security_context(overrides: Obj | None = None) -> Obj:
-    """A container's securityContext: CONTAINER_SECURITY_DEFAULTS and the spec's overrides."""
-    return _overlay(CONTAINER_SECURITY_DEFAULTS, overrides)
-
 
 def drafter_runs(job: Obj, drafter_disabled: bool = False) -> bool:
     return bool(job["spec"]["drafter"]["enabled"]) and not drafter_disabled
@@ -329,7 +191,7 @@ def _drafter_identity_env(job: Obj, generation: int) -> list[Obj]:
     """The fleet channel's inputs (docs/contracts.md): key file, job identity, the pod's own IPs, and
     the control file through which a drafter disabled in place learns it."""
     return [
-        {"name": ENV_FLEET_KEY_FILE, "value": f"{FLEET_KEY_DIR}/{FLEET_KEY_ITEM}"},
+        {"name": ENV_FLEET_KEY_FILE, "value": f"{FLEET_KEY_DIR}/{access.FLEET_KEY_ITEM}"},
         {"name": ENV_JOB_UID, "value": str(job["metadata"].get("uid") or "")},
         {"name": ENV_RESTART_GENERATION, "value": str(generation)},
         {"name": ENV_POD_IPS, "valueFrom": {"fieldRef": {"fieldPath": "status.podIPs"}}},
@@ -341,7 +203,7 @@ def _drafter_volumes(job: Obj) -> list[Obj]:
     return [
         {"name": "podinfo", "downwardAPI": {"items": [
             {"path": PODINFO_ANNOTATIONS, "fieldRef": {"fieldPath": "metadata.annotations"}}]}},
-        {"name": "fleet-key", "secret": {"secretName": fleet_key_name(job), "defaultMode": FLEET_KEY_MODE}},
+        {"name": "fleet-key", "secret": {"secretName": fleet_key_name(job), "defaultMode": access.FLEET_KEY_MODE}},
     ]
 
 
@@ -350,7 +212,7 @@ def _drafter_resources(job: Obj) -> Obj:
     the memory request when that is larger, so the limit is never below the request). Not in
     SingleContainer mode: there the drafter is no container of its own, and gpu_sharing folds only
     the user's resources into the target's."""
-    from spectrain_operator.gpu_sharing import parse_quantity, sharing_mode
+    from spectrain_operator.gpu_sharing import sharing_mode
 
     res = copy.deepcopy(job["spec"]["drafter"].get("resources") or {})
     if sharing_mode(job) == "SingleContainer":
@@ -417,7 +279,7 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
         "volumeMounts": _mounts(job, data=True),
         "resources": copy.deepcopy(t.get("resources") or {}),
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
-        "securityContext": container_security_context(t.get("securityContext")),
+        "securityContext": access.container_security_context(t.get("securityContext")),
     }
     if t.get("args"):
         target["args"] = list(t["args"])
@@ -438,7 +300,7 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
                 {"name": "fleet-key", "mountPath": FLEET_KEY_DIR, "readOnly": True}],
             "resources": _drafter_resources(job),
             "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
-            "securityContext": container_security_context(d.get("securityContext")),
+            "securityContext": access.container_security_context(d.get("securityContext")),
         })
     labels = {LABEL_NODE: str(node), LABEL_GENERATION: str(generation)}
     manifest: Obj = {
@@ -451,7 +313,7 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
             "serviceAccountName": status_account_name(job),
             "automountServiceAccountToken": True,
             "enableServiceLinks": False,
-            "securityContext": pod_security_context(job),
+            "securityContext": access.pod_security_context(job),
             "initContainers": init,
             "containers": [target],
             "volumes": _volumes(job) + (_drafter_volumes(job) if drafter_on else []),
@@ -488,9 +350,12 @@ def children(job: Obj, fleet_key: bytes | None = None) -> list[Obj]:
     """Everything but the pods, in creation order; with `fleet_key` (random bytes), its Secret too
     (only a job with a drafter needs one). The NetworkPolicy is created before any pod, so no pod of
     the job is reachable without it."""
-    key = [fleet_key_secret(job, fleet_key)] if fleet_key is not None and drafter_runs(job) else []
-    policy = [network_policy(job)] if network_policy_enabled(job) else []
-    return [*status_rbac(job), config_map(job), service(job), *policy, *key]
+    key = ([access.fleet_key_secret(job, fleet_key_name(job), fleet_key)]
+           if fleet_key is not None and drafter_runs(job) else [])
+    policy = ([access.network_policy(job, network_policy_name(job), metrics_ports(job))]
+              if access.network_policy_enabled(job) else [])
+    return [*access.status_rbac(job, status_account_name(job), pod_names(job)), config_map(job), service(job),
+            *policy, *key]
 
 
 def render(job: Obj, *, generation: int = 0, drafter_disabled: bool = False,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from spectrain_operator import builders
+from spectrain_operator import objects
 from spectrain_operator.kube import Kube, OwnerConflict, RejectedError, UnverifiedConflict
 
 Obj = dict[str, Any]
@@ -59,7 +59,7 @@ class Children:
         mounts it exists (a pass failing in between leaves an orphan the garbage collector removes
         with the job, and the next pass makes a new one)."""
         uid = next((str(c["metadata"]["uid"]) for c in created
-                    if c.get("kind") == "Secret" and c["metadata"].get("name") == builders.fleet_key_name(job)
+                    if c.get("kind") == "Secret" and c["metadata"].get("name") == objects.fleet_key_name(job)
                     and c["metadata"].get("uid")), None)
         if uid is None:
             return

@@ -37,12 +37,23 @@ from __future__ import annotations
 
 import copy
 import json
-import re
-from fractions import Fraction
 from typing import Any
 
 from spectrain_api.names import ENV_GPU_SHARING
-from spectrain_operator.objects import DRAFTER, LABEL_JOB, MPS_DAEMON, TARGET, child_metadata
+from spectrain_operator import access
+from spectrain_operator.objects import (
+    DRAFTER,
+    LABEL_JOB,
+    MPS_DAEMON,
+    TARGET,
+    add_mount,
+    add_volume,
+    child_metadata,
+    find_container,
+    format_quantity,
+    parse_quantity,
+    set_env,
+)
 from spectrain_operator.objects import get as _get
 
 MODES = ("DRA", "PodLocalMPS", "SingleContainer", "None")
@@ -71,73 +82,6 @@ class GpuSharingError(ValueError):
     """The spec cannot be turned into a GPU-sharing layout; the message names the field and the fix."""
 
 
-# ---------------------------------------------------------------------------------------------
-# small pure helpers
-
-
-def _find(containers: list[dict], name: str) -> dict | None:
-    for c in containers:
-        if c.get("name") == name:
-            return c
-    return None
-
-
-def _set_env(container: dict, name: str, value: str) -> None:
-    """Set (or replace) a plain-value env var, keeping the list's order otherwise."""
-    env = container.setdefault("env", [])
-    for e in env:
-        if e.get("name") == name:
-            e.clear()
-            e.update({"name": name, "value": value})
-            return
-    env.append({"name": name, "value": value})
-
-
-def _add_mount(container: dict, name: str, path: str) -> None:
-    mounts = container.setdefault("volumeMounts", [])
-    if not any(m.get("mountPath") == path for m in mounts):
-        mounts.append({"name": name, "mountPath": path})
-
-
-def _add_volume(pod: dict, volume: dict) -> None:
-    volumes = pod["spec"].setdefault("volumes", [])
-    if not any(v.get("name") == volume["name"] for v in volumes):
-        volumes.append(volume)
-
-
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$")
-_FACTORS = {
-    None: Fraction(1), "m": Fraction(1, 1000),
-    "k": Fraction(10**3), "M": Fraction(10**6), "G": Fraction(10**9), "T": Fraction(10**12),
-    "P": Fraction(10**15), "E": Fraction(10**18),
-    "Ki": Fraction(2**10), "Mi": Fraction(2**20), "Gi": Fraction(2**30), "Ti": Fraction(2**40),
-    "Pi": Fraction(2**50), "Ei": Fraction(2**60),
-}
-
-
-def parse_quantity(value: Any, field: str) -> Fraction:
-    """A Kubernetes quantity ("8Gi", "500m", 2) as an exact Fraction; errors name `field`."""
-    text = str(value).strip()
-    m = _QUANTITY.match(text)
-    if not m:
-        raise GpuSharingError(
-            f"{field}: {value!r} is not a Kubernetes quantity; write e.g. 8Gi, 512Mi or 8G")
-    return Fraction(m.group(1)) * _FACTORS[m.group(2)]
-
-
-def _format_quantity(value: Fraction) -> str:
-    if value.denominator == 1:
-        n = value.numerator
-        for suffix, factor in (("Gi", 2**30), ("Mi", 2**20)):
-            if n and n % factor == 0:
-                return f"{n // factor}{suffix}"
-        return str(n)
-    millis = value * 1000
-    if millis.denominator == 1:
-        return f"{millis.numerator}m"
-    return str(float(value))
-
-
 def pinned_mem_limit_env(pinned_memory_limit: Any, gpus: int) -> str:
     """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT for `gpus` devices: "0=8192M,1=8192M".
 
@@ -146,7 +90,10 @@ def pinned_mem_limit_env(pinned_memory_limit: Any, gpus: int) -> str:
     exactly and no limit is ever raised by rounding.
     """
     field = "spec.drafter.gpuShare.pinnedMemoryLimit"
-    mib = int(parse_quantity(pinned_memory_limit, field) / (1 << 20))
+    try:
+        mib = int(parse_quantity(pinned_memory_limit, field) / (1 << 20))
+    except ValueError as exc:
+        raise GpuSharingError(str(exc)) from None
     if mib < 1:
         raise GpuSharingError(f"{field}: {pinned_memory_limit!r} is below 1Mi; set at least 1Mi (e.g. 8Gi)")
     return ",".join(f"{i}={mib}M" for i in range(max(gpus, 1)))
@@ -241,10 +188,10 @@ def resource_claim_template(job: dict) -> dict:
 
 def _containers(pod: dict) -> tuple[dict, dict | None]:
     spec = pod.get("spec", {})
-    target = _find(spec.get("containers", []), TARGET)
+    target = find_container(spec.get("containers", []), TARGET)
     if target is None:
         raise GpuSharingError("pod.spec.containers: no container named 'target'; build the pod first")
-    drafter = _find(spec.get("initContainers", []), DRAFTER)
+    drafter = find_container(spec.get("initContainers", []), DRAFTER)
     return target, drafter
 
 
@@ -265,11 +212,11 @@ def _apply_dra(pod: dict, job: dict) -> list[dict]:
 
 
 def _mps_env(container: dict) -> None:
-    _set_env(container, "CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DIR)
-    _set_env(container, "CUDA_MPS_LOG_DIRECTORY", MPS_LOG_DIR)
-    _add_mount(container, MPS_PIPE_VOLUME, MPS_PIPE_DIR)
-    _add_mount(container, MPS_LOG_VOLUME, MPS_LOG_DIR)
-    _add_mount(container, SHM_VOLUME, SHM_PATH)
+    set_env(container, "CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DIR)
+    set_env(container, "CUDA_MPS_LOG_DIRECTORY", MPS_LOG_DIR)
+    add_mount(container, MPS_PIPE_VOLUME, MPS_PIPE_DIR)
+    add_mount(container, MPS_LOG_VOLUME, MPS_LOG_DIR)
+    add_mount(container, SHM_VOLUME, SHM_PATH)
 
 
 def _run_as(container: dict, uid: int) -> None:
@@ -284,9 +231,9 @@ def _request_gpus(container: dict, n: int) -> None:
 
 
 def _mps_volumes(pod: dict) -> None:
-    _add_volume(pod, {"name": MPS_PIPE_VOLUME, "emptyDir": {"medium": "Memory"}})
-    _add_volume(pod, {"name": MPS_LOG_VOLUME, "emptyDir": {}})
-    _add_volume(pod, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+    add_volume(pod, {"name": MPS_PIPE_VOLUME, "emptyDir": {"medium": "Memory"}})
+    add_volume(pod, {"name": MPS_LOG_VOLUME, "emptyDir": {}})
+    add_volume(pod, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
 
 
 def mps_uid(job: dict) -> int:
@@ -297,8 +244,6 @@ def mps_uid(job: dict) -> int:
 
 
 def _apply_pod_local(pod: dict, job: dict) -> list[dict]:
-    from spectrain_operator.builders import container_security_context
-
     target, drafter = _containers(pod)
     uid = mps_uid(job)
     image = _get(job, "spec", "gpuSharing", "mps", "image", default="") or target.get("image") \
@@ -320,11 +265,11 @@ def _apply_pod_local(pod: dict, job: dict) -> list[dict]:
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
         # Pod Security "restricted" like the other containers: the control daemon needs no
         # privilege, only the UID its clients share.
-        "securityContext": container_security_context(),
+        "securityContext": access.container_security_context(),
     }
     _mps_volumes(pod)
     init = pod["spec"].setdefault("initContainers", [])
-    if _find(init, MPS_DAEMON) is None:
+    if find_container(init, MPS_DAEMON) is None:
         init.insert(0, daemon)  # before the drafter: its startup probe gates the drafter and target
     for c in (daemon, target, drafter):
         if c is None:
@@ -332,7 +277,7 @@ def _apply_pod_local(pod: dict, job: dict) -> list[dict]:
         _mps_env(c)
         _run_as(c, uid)
     if drafter is not None:
-        _set_env(drafter, "NVIDIA_VISIBLE_DEVICES", "all")
+        set_env(drafter, "NVIDIA_VISIBLE_DEVICES", "all")
     _request_gpus(target, gpus_per_node(job))
     psc = pod["spec"].setdefault("securityContext", {})
     psc["runAsUser"] = uid
@@ -355,7 +300,7 @@ def _sum_resources(target: dict, drafter: dict) -> None:
             field = f"spec.drafter.resources.{kind}.{key}"
             if key in t:
                 total = parse_quantity(t[key], f"spec.target.resources.{kind}.{key}") + parse_quantity(val, field)
-                t[key] = _format_quantity(total)
+                t[key] = format_quantity(total)
             elif kind == "requests":
                 t[key] = val
         if not t:
@@ -422,10 +367,10 @@ def apply(pod: dict, job: dict) -> list[dict]:
     _, drafter = _containers(pod)
     if drafter is not None:
         for k, v in drafter_env.items():
-            _set_env(drafter, k, v)
+            set_env(drafter, k, v)
     containers = list(pod["spec"].get("containers", [])) + list(pod["spec"].get("initContainers", []))
     for c in containers:
-        _set_env(c, ENV_GPU_SHARING, mode)
+        set_env(c, ENV_GPU_SHARING, mode)
     if mode == "DRA":
         return _apply_dra(pod, job)
     if mode == "PodLocalMPS":

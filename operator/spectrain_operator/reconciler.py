@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from spectrain_api.names import ANNOTATION_DRAFTER_DISABLED
-from spectrain_operator import builders, gpu_sharing, metrics, scheduling
+from spectrain_operator import access, builders, gpu_sharing, metrics, objects, scheduling
 from spectrain_operator import spec as specmod
 from spectrain_operator import status as statusmod
 from spectrain_operator.children import FLEET_KEY_UID_FIELD, Children
@@ -254,7 +254,7 @@ class Reconciler:
         # A job the operator has only just heard of (its ADDED event) has no pods yet: only a pass
         # creates them. (The apiserver serves this list from etcd, decoding every pod of the
         # namespace: for a burst of new jobs, the most expensive request of their first pass.)
-        pods = [] if fresh is not None else self.kube.list_pods(namespace, builders.selector(job))
+        pods = [] if fresh is not None else self.kube.list_pods(namespace, objects.selector(job))
         plan = statusmod.decide(job, pods, now)
         if plan.create_nodes:
             plan = self._create(job, pods, now, plan)
@@ -275,7 +275,7 @@ class Reconciler:
         its pod group (the garbage collector deletes the pods; Kueue would keep them)."""
         self.forget(namespace, name)
         if scheduling.kueue_queue(job) and self.active:
-            self._release_kueue(namespace, self.kube.list_pods(namespace, builders.selector(job)))
+            self._release_kueue(namespace, self.kube.list_pods(namespace, objects.selector(job)))
 
     def _release_kueue(self, namespace: str, pods: list[Obj]) -> None:
         for pod_name in scheduling.kueue_release(pods):
@@ -296,7 +296,7 @@ class Reconciler:
             # is admitted), then the pods; within each group, order does not matter. The fleet key's
             # bytes are fresh on every such pass, but create-or-get keeps the first Secret: one key
             # per job, never rotated while the job lives.
-            key = secrets.token_bytes(builders.FLEET_KEY_BYTES)
+            key = secrets.token_bytes(access.FLEET_KEY_BYTES)
             created, error = self.children.create_all([*builders.children(job, fleet_key=key), *extras], job)
             # Recorded even when another child failed: the next pass will meet this Secret as a 409.
             self.children.record_fleet_key(job, created)
@@ -313,7 +313,7 @@ class Reconciler:
         """A spec that is not even structurally usable for decide(): report it and stop."""
         if not specmod.schema_errors(job):
             now = self.clock()
-            pods = self.kube.list_pods(job["metadata"]["namespace"], builders.selector(job))
+            pods = self.kube.list_pods(job["metadata"]["namespace"], objects.selector(job))
             plan = statusmod.decide(job, pods, now, errors)
             self._execute(job, plan)
             return plan

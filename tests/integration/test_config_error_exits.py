@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from spectrain_api.names import ENV_TERMINATION_LOG, EXIT_CONFIG
-from spectrain_operator import builders, faults, local, spec
+from spectrain_operator import builders, faults, local, local_layout, spec
 
 pytestmark = pytest.mark.integration
 
@@ -115,7 +115,7 @@ def test_local_backend_ends_a_config_error_failed_without_restarting(tmp_path: P
     manifest["spec"]["drafter"]["enabled"] = False
     run_dir = tmp_path / "run"
     # the spec itself is valid; the config the targets read is not (SPECTRAIN_CONFIG overridden)
-    plan = local.plan(manifest, run_dir, env_overrides={"SPECTRAIN_CONFIG": str(unrunnable_config(tmp_path))})
+    plan = local_layout.plan(manifest, run_dir, env_overrides={"SPECTRAIN_CONFIG": str(unrunnable_config(tmp_path))})
     assert [c.name for c in plan.containers] == ["target", "target"]
     for c in plan.containers:
         assert c.env[ENV_TERMINATION_LOG] == str(run_dir / "logs" / f"{c.pod}.target.termination-log")

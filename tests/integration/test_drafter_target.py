@@ -32,7 +32,7 @@ from spectrain_api.names import (
     ENV_FLEET_KEY_FILE,
     ENV_JOB_UID,
 )
-from spectrain_operator.local import free_port
+from spectrain_operator.local_layout import free_port
 from tests.integration.drafter_procs import REPO, read_jsonl
 from tests.launch import launch_local, node_ring_dir, stop, wait_all
 from tests.waiting import wait_for

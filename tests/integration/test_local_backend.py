@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spectrain_operator import builders, local, spec
+from spectrain_operator import builders, local_layout, spec
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -37,7 +37,7 @@ def test_local_backend_runs_exactly_the_rendered_pods(tmp_path: Path) -> None:
     rendered = subprocess.run([*SPECTRAIN, "render", str(manifest)], capture_output=True, text=True,
                               check=True, cwd=ROOT).stdout
     pods = [o for o in yaml.safe_load_all(rendered) if o and o["kind"] == "Pod"]
-    run = local.plan(local.load_manifest(manifest), tmp_path / "run")
+    run = local_layout.plan(local_layout.load_manifest(manifest), tmp_path / "run")
     expected = []
     for pod in pods:
         for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:
@@ -125,5 +125,5 @@ def test_valid_examples_validate() -> None:
     res = subprocess.run([*SPECTRAIN, "validate", *files], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stdout
     for f in files:
-        job = spec.defaulted(local.load_manifest(f))
+        job = spec.defaulted(local_layout.load_manifest(f))
         assert [o for o in builders.build_children(job) if o["kind"] == "Pod"]

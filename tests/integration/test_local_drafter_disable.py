@@ -22,7 +22,7 @@ from spectrain_api.names import (
     ENV_RESTART_GENERATION,
     EXIT_PEER_FRAME,
 )
-from spectrain_operator import local
+from spectrain_operator import local, local_layout
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +75,7 @@ def test_a_drafter_past_max_failures_is_disabled_in_place_and_the_target_finishe
     marks = tmp_path / "marks"
     marks.mkdir()
     run_dir = tmp_path / "run"
-    run = local.plan(manifest(tmp_path), run_dir, env_overrides={"MARKS": str(marks)})
+    run = local_layout.plan(manifest(tmp_path), run_dir, env_overrides={"MARKS": str(marks)})
     for c in run.containers:
         c.argv = [sys.executable, "-c", DRAFTER if c.name == "drafter" else TARGET]
     assert local.execute(run, poll_s=0.05) == 0
@@ -102,7 +102,7 @@ def test_a_drafter_past_max_failures_is_disabled_in_place_and_the_target_finishe
 
 def test_one_fleet_key_and_job_uid_per_run_kept_for_resume(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    first = local.plan(manifest(tmp_path), run_dir)
+    first = local_layout.plan(manifest(tmp_path), run_dir)
     key_file = run_dir / "fleet" / "key"
     key = key_file.read_text()
     assert len(key) == 64 and all(ch in "0123456789abcdef" for ch in key)
@@ -114,10 +114,10 @@ def test_one_fleet_key_and_job_uid_per_run_kept_for_resume(tmp_path: Path) -> No
     assert {c.env[ENV_FLEET_KEY_FILE] for c in drafters} == {str(key_file)}
     assert not any(ENV_FLEET_KEY_FILE in c.env or ENV_DRAFTER_CONTROL in c.env for c in targets)
     # --resume: the same key and identity
-    again = local.plan(manifest(tmp_path), run_dir)
+    again = local_layout.plan(manifest(tmp_path), run_dir)
     assert key_file.read_text() == key and (run_dir / "fleet" / "job-uid").read_text() == uid
     assert {c.env[ENV_JOB_UID] for c in again.containers if c.name == "drafter"} == {uid}
     # another run: another key and identity
     other = tmp_path / "other"
-    local.plan(manifest(tmp_path), other)
+    local_layout.plan(manifest(tmp_path), other)
     assert (other / "fleet" / "key").read_text() != key and (other / "fleet" / "job-uid").read_text() != uid

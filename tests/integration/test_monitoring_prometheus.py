@@ -33,12 +33,12 @@ import pytest
 import yaml
 
 from spectrain_operator import builders
-from spectrain_operator.local import free_port
+from spectrain_operator.local_layout import free_port
 from spectrain_workloads.report.summary import summarize
 from tests.integration.kubeapi import KubeAPI
 from tests.integration.operator_harness import start_env
-from tests.unit.test_helm_chart import NAMESPACE, VARIANTS, one, render
-from tests.unit.test_monitoring import DASHBOARD_FILE, dashboard, metric_names
+from tests.unit.project.test_helm_chart import NAMESPACE, VARIANTS, one, render
+from tests.unit.project.test_monitoring import DASHBOARD_FILE, dashboard, metric_names
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""The supported Kubernetes range against real servers (unit side: tests/unit/test_server_version.py).
+"""The supported Kubernetes range against real servers (unit side: tests/unit/operator/test_server_version.py).
 
 - The operator reads the server version at start: on the session's server (>= 1.29) it runs and
   serves liveness; on a 1.20 kube-apiserver (the old tier's binaries, `make kube-binaries-legacy`) it

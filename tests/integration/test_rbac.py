@@ -35,7 +35,7 @@ from kubernetes.client.exceptions import ApiException
 from spectrain_api.names import GROUP, KIND, PLURAL, VERSION
 from tests.integration.kubeapi import KubeAPI
 from tests.integration.operator_proc import OperatorProcess
-from tests.unit.test_helm_chart import aggregated
+from tests.unit.project.test_helm_chart import aggregated
 
 pytestmark = pytest.mark.integration
 

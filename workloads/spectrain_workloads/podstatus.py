@@ -24,10 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from spectrain_api.fsio import atomic_write_json
-from spectrain_api.names import ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_RUN_DIR
+from spectrain_api.names import (
+    ANNOTATION_DRAFTER,
+    ANNOTATION_PROGRESS,
+    ENV_POD_NAME,
+    ENV_POD_NAMESPACE,
+    ENV_RUN_DIR,
+)
 
-PROGRESS_ANNOTATION = "spectrain.io/progress"
-DRAFTER_ANNOTATION = "spectrain.io/drafter"
 THROTTLE_S = 10.0
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 PATCH_TIMEOUT_S = 5.0
@@ -128,7 +132,7 @@ def report_progress(progress: dict[str, Any], *, flush: bool = False) -> None:
         run_dir = _run_dir()
         if run_dir is not None:
             atomic_write_json(run_dir / "progress.json", data, durable=False, sort_keys=True)
-        _maybe_patch(PROGRESS_ANNOTATION, data, flush)
+        _maybe_patch(ANNOTATION_PROGRESS, data, flush)
     except Exception as exc:
         log.warning("report_progress failed: %s", exc)
 
@@ -141,6 +145,6 @@ def report_drafter(summary: dict[str, Any], rank: int | None = None, *, flush: b
         run_dir = _run_dir()
         if run_dir is not None:
             atomic_write_json(run_dir / f"drafter-summary-rank-{r}.json", data, durable=False, sort_keys=True)
-        _maybe_patch(DRAFTER_ANNOTATION, data, flush)
+        _maybe_patch(ANNOTATION_DRAFTER, data, flush)
     except Exception as exc:
         log.warning("report_drafter failed: %s", exc)

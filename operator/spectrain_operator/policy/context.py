@@ -98,7 +98,7 @@ class PodSet:
         kept = {id(p) for p in current.values()}   # (not `p in current.values()`: quadratic in the pods)
         # `busy`: the replacement of such a node waits for its old pod, so two pods of one rank
         # never run at once (the same name does that too, except for Kueue jobs, whose names
-        # alternate: builders.pod_object_name).
+        # alternate: objects.pod_object_name).
         return cls(every=pods, live=live, current=current, missing=[n for n in range(nodes) if n not in current],
                    stale=[podlib.name(p) for p in live if id(p) not in kept],
                    names_in_use={podlib.name(p) for p in pods},

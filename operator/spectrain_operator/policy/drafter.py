@@ -10,8 +10,8 @@ untouched; the next restart the job needs anyway builds pods without the sidecar
 
 from __future__ import annotations
 
-from spectrain_api.names import ANNOTATION_DRAFTER_DISABLED, EXIT_PEER_FRAME
-from spectrain_operator import builders, faults
+from spectrain_api.names import ANNOTATION_DRAFTER, ANNOTATION_DRAFTER_DISABLED, EXIT_PEER_FRAME
+from spectrain_operator import faults, objects
 from spectrain_operator import pods as podlib
 from spectrain_operator.objects import DRAFTER, Obj
 from spectrain_operator.policy.context import Context, finite, nonneg_int
@@ -49,7 +49,7 @@ def count_crashes(ctx: Context) -> dict[int, int]:
                 st["drafterPeerFailures"] += 1
                 ctx.plan.events.append(Event(
                     "Warning", "DrafterPeerFrame",
-                    f"{builders.pod_name(ctx.job, node)}: a peer's frame ended the drafter (exit {EXIT_PEER_FRAME}); "
+                    f"{objects.pod_name(ctx.job, node)}: a peer's frame ended the drafter (exit {EXIT_PEER_FRAME}); "
                     f"{st['drafterPeerFailures']} so far, not counted toward drafter.maxFailures"))
         if rec["count"]:
             frames[str(node)] = rec
@@ -100,7 +100,7 @@ def summary(pods_by_node: dict[int, Obj], previous: object, *, enabled: bool, de
     """status.drafter from the pods' ANNOTATION_DRAFTER reports: state, active ranks, harvested
     seconds (sum), harvest efficiency and acceptance length (means), the exported artifact; a
     figure no pod reports keeps its previous value."""
-    reports = [r for r in (podlib.annotation(p, builders.ANNOTATION_DRAFTER) for _, p in sorted(pods_by_node.items()))
+    reports = [r for r in (podlib.annotation(p, ANNOTATION_DRAFTER) for _, p in sorted(pods_by_node.items()))
                if r is not None]
     prev: Obj = previous if isinstance(previous, dict) else {}
     artifact = next((str(r["artifact"])[:1024] for r in reports if isinstance(r.get("artifact"), str) and r["artifact"]),

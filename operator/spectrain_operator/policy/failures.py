@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from spectrain_operator import builders, faults
+from spectrain_operator import faults, objects
 from spectrain_operator.objects import Obj
 from spectrain_operator.policy import drafter, lifecycle, restart
 from spectrain_operator.policy.context import Context
@@ -47,7 +47,7 @@ def handle(ctx: Context, own_failures: dict[int, int]) -> Outcome | None:
             action = faults.action_for(fault, ctx.job)
         except ValueError as exc:   # a failurePolicy rule the schema let through cannot be applied
             return lifecycle.finish(ctx, False, "SpecInvalid", str(exc), ctx.pods.current_names())
-        text = f"{builders.pod_name(ctx.job, node)}: {fault.message or fault.reason}"
+        text = f"{objects.pod_name(ctx.job, node)}: {fault.message or fault.reason}"
         if action == faults.IGNORE:
             continue
         if action == faults.DISABLE_DRAFTER:

@@ -11,7 +11,8 @@ after a second.
 
 from __future__ import annotations
 
-from spectrain_operator import builders, scheduling
+from spectrain_api.names import ANNOTATION_PROGRESS
+from spectrain_operator import objects, scheduling
 from spectrain_operator import pods as podlib
 from spectrain_operator.objects import Obj
 from spectrain_operator.pods import fmt_time
@@ -46,7 +47,7 @@ def _create_missing(ctx: Context) -> Outcome:
     st, nodes = ctx.status, ctx.nodes
     missing = ctx.pods.missing
     free = [n for n in missing if n not in ctx.pods.busy
-            and builders.pod_object_name(ctx.job, n, st["restartGeneration"]) not in ctx.pods.names_in_use]
+            and objects.pod_object_name(ctx.job, n, st["restartGeneration"]) not in ctx.pods.names_in_use]
     ctx.plan.create_nodes = free
     if len(free) == len(missing):
         st["podsCreated"] = True
@@ -84,7 +85,7 @@ def mark_queued(ctx: Context, phase: str) -> None:
 def progress(pods_by_node: dict[int, Obj], previous: object, total_steps: int) -> Obj:
     """status.progress from rank 0's pod (node 0): step, loss, tokens/s, updatedAt; without a
     report the previous step is kept."""
-    data = podlib.annotation(pods_by_node[0], builders.ANNOTATION_PROGRESS) if 0 in pods_by_node else None
+    data = podlib.annotation(pods_by_node[0], ANNOTATION_PROGRESS) if 0 in pods_by_node else None
     if data is None:
         if isinstance(previous, dict) and isinstance(previous.get("step"), int):
             return {**previous, "totalSteps": total_steps}

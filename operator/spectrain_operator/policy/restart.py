@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from spectrain_operator import builders
+from spectrain_operator import objects
 from spectrain_operator import pods as podlib
 from spectrain_operator.objects import Obj
 from spectrain_operator.pods import fmt_time, parse_time
@@ -96,7 +96,7 @@ def replace_missing(ctx: Context) -> Outcome | None:
     missing = ctx.pods.missing
     if not missing or not ctx.status["podsCreated"]:
         return None
-    names = ", ".join(builders.pod_name(ctx.job, n) for n in missing)
+    names = ", ".join(objects.pod_name(ctx.job, n) for n in missing)
     evicted = eviction(ctx.pods.every, missing, ctx.status["restartGeneration"])
     if evicted is not None:
         return restart(ctx, "PodEvicted", f"pod(s) {names} evicted ({evicted[0]}): {evicted[1]}",

@@ -1,7 +1,7 @@
 """The harvest engine: the components every trainer uses to publish its idle windows and data.
 
 The built-in trainer (target/) and the public hooks API for a user's trainer (hooks/) both sit
-on these; nothing here imports target/, hooks/ or rl/ (tests/unit/test_import_graph.py).
+on these; nothing here imports target/, hooks/ or rl/ (tests/unit/project/test_import_graph.py).
 
 - `instrument`: Bubble / Communication / Imbalance windows of one rank: open, close, sync points,
   the ring records, once-per-step learning, cost accounting; `instrumented_step`, the

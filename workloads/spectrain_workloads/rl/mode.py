@@ -28,6 +28,7 @@ from spectrain_workloads.rl.grpo import GRPOConfig, GRPOTrainer, sft_warmup
 from spectrain_workloads.rl.tasks import get_task
 from spectrain_workloads.specdec.config import RolloutConfig
 from spectrain_workloads.target_model import resolve_target
+from spectrain_workloads.topology import Topology
 
 
 def run(cfg: JobConfig) -> list[float]:
@@ -50,6 +51,7 @@ class RLLoop(ModeLoop):
         cfg, rank, t = self.cfg, self.rank, self.cfg.target
         assert t.rl is not None                 # check_spec: mode RL has spec.target.rl
         rl = t.rl
+        Topology(data=t.parallelism.data, pipeline=1).check(rank.world, world_size_hint=cfg.world_size)
         self.target = resolve_target(cfg)       # a preset (seeded init) or an HF model directory (its weights)
         mcfg = self.target.config
         # A preset's Transformer or an HF model's HFStage: one stage interface, no common base class.

@@ -12,7 +12,7 @@ Why the state is restored and not just the RNG: the engine's DraftController lea
 decode step it times (plain step times, forward costs). A rerun that fed it would change which
 draft lengths later steps choose, hence how the sampler's RNG is consumed, hence the sequences the
 policy trains on. With the controller restored too, losses and rewards are bitwise equal with the
-measurement on or off (tests/unit/test_rl.py checks it with a Fixed strategy on CPU).
+measurement on or off (tests/unit/workloads/rl/test_rl.py checks it with a Fixed strategy on CPU).
 
 Lossless speculative decoding makes the two rollouts comparable: greedy, they are token for token
 equal; sampling, identically distributed (specdec/sampling.py), so the plain rerun's tokens per

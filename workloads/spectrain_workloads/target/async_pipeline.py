@@ -38,6 +38,7 @@ from spectrain_workloads.loop import ModeLoop, StepReport
 from spectrain_workloads.model import ModelConfig, Transformer
 from spectrain_workloads.optim import build_optimizer
 from spectrain_workloads.runtime import RankInfo, TargetOptions
+from spectrain_workloads.topology import Topology
 
 Weights = dict[str, torch.Tensor]
 
@@ -287,6 +288,7 @@ class AsyncPipelineLoop(ModeLoop):
 
     def build(self) -> None:
         cfg, device, P, k = self.cfg, self.rt.device, self.rank.world, self.rank.rank
+        Topology(data=1, pipeline=cfg.target.parallelism.pipeline).check(P, world_size_hint=cfg.world_size)
         self.mcfg = preset_model_config(cfg.target.model)
         data = cfg.target.data
         self.module = Transformer.stage(self.mcfg, k, P).to(device)

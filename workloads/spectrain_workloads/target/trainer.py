@@ -47,8 +47,8 @@ from spectrain_workloads.loop import ModeLoop, StepReport
 from spectrain_workloads.model import ModelConfig
 from spectrain_workloads.runtime import RankInfo, Runtime, TargetOptions
 from spectrain_workloads.target.pipeline import StageExecutor
-from spectrain_workloads.target.topology import Topology
 from spectrain_workloads.target_model import TargetModel, resolve_target
+from spectrain_workloads.topology import Topology
 
 _LOSS_TAG = 1 << 20
 

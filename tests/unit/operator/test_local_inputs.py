@@ -1,0 +1,68 @@
+"""Bad inputs to `spectrain run` / `spectrain report` give clear errors naming what to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from spectrain_operator import local_layout
+from spectrain_workloads import report
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize("docs", [[], [{"kind": "ConfigMap"}], ["job", "job"]], ids=["empty", "no-job", "two-jobs"])
+def test_run_needs_exactly_one_spectrainjob(tmp_path: Path, docs: list) -> None:
+    job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump_all([job if d == "job" else d for d in docs]))
+    with pytest.raises(SystemExit, match=r"expected exactly one SpecTrainJob, found \d"):
+        local_layout.load_manifest(path)
+
+
+def test_empty_target_command_falls_back_to_the_workload_entrypoint(tmp_path: Path) -> None:
+    job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    job["spec"]["target"]["command"] = []
+    job["spec"]["drafter"]["enabled"] = False
+    plan = local_layout.plan(job, tmp_path / "r")
+    assert [Path(c.argv[0]).name for c in plan.containers] == ["spectrain-target"] * 2
+
+
+def test_report_of_a_directory_without_metrics_says_what_to_pass(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no metrics/ found; pass the --run-dir"):
+        report.build_report(tmp_path)
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_bindable() -> None:
+    # An ephemeral port can be taken as an outgoing connection's source port before the local
+    # process binds it (a metrics server after the gloo mesh failed with EADDRINUSE that way).
+    import socket
+
+    from spectrain_operator.local_layout import _ephemeral_low, free_port
+
+    for _ in range(20):
+        port = free_port()
+        assert 10000 <= port < min(_ephemeral_low(), 30000)
+        with socket.socket() as s:
+            s.bind(("", port))
+    handed_out = set(range(10000, 30000, 2))      # ports given to processes that have not bound them yet
+    assert all(free_port(exclude=handed_out) not in handed_out for _ in range(50))
+
+
+def test_local_pods_give_each_pods_drafters_their_own_loopback_ports(tmp_path: Path) -> None:
+    job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    job["spec"]["target"].update(nodes=2, procsPerNode=2)
+    job["spec"]["target"]["parallelism"].update(data=2, pipeline=2)
+    run = local_layout.plan(job, tmp_path / "run", shm_dir=tmp_path / "shm")
+    drafters = [c for c in run.containers if c.name == "drafter"]
+    assert len(drafters) == 2
+    peers = {c.env["SPECTRAIN_DRAFTER_PEERS"] for c in drafters}
+    assert len(peers) == 1, "every drafter must see the same addresses"
+    ports = [int(a.rsplit(":", 1)[1]) for a in peers.pop().split(",")]
+    assert len(ports) == 2 and abs(ports[0] - ports[1]) >= 2      # local ranks 0, 1 of each pod: base + i
+    assert all(c.env["SPECTRAIN_DRAFTER_BIND"] == "127.0.0.1" for c in drafters)
+    assert not any("SPECTRAIN_DRAFTER_PEERS" in c.env for c in run.containers if c.name == "target")
