@@ -16,7 +16,7 @@ BENCHES := $(sort $(basename $(notdir $(filter-out bench/__init__.py bench/commo
 BENCH_ALIASES := $(subst _,-,$(foreach b,$(BENCHES),$(if $(findstring _,$(b)),$(b))))   # bench-fleet-scale = bench-fleet_scale
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-unit test-integration test-e2e lint typecheck verify lock demo demo-rl demo-hf \
+.PHONY: help install test test-unit test-integration test-e2e test-serving lint typecheck verify lock demo demo-rl demo-hf \
         kube-binaries kube-binaries-legacy prometheus-binaries crds docs clean gpu-check gate-replay $(BENCHES:%=bench-%) \
         $(BENCH_ALIASES:%=bench-%)
 
@@ -44,6 +44,9 @@ test-integration: $(STAMP) kube-binaries prometheus-binaries ## integration tier
 
 test-e2e: $(STAMP) ## e2e against the cluster in KUBECONFIG
 	$(PY) -m pytest tests -m e2e --e2e $(PYTEST_ARGS)
+
+test-serving: $(STAMP) ## optional, not in test: speculators 0.9.0 loads the EAGLE-3 exports (own venv .cache/serving-venv)
+	VENV=$(VENV) bash scripts/serving_venv.sh $(PYTEST_ARGS)
 
 kube-binaries: ## build kube-apiserver/-controller-manager/-scheduler, etcd, kwok, Kueue, scheduler-plugins (scripts/kube/) once from the Go module proxy
 	bash scripts/build-kube-current.sh
