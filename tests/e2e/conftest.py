@@ -10,7 +10,8 @@ tests/conftest.py skips them with that reason. Needs:
 - the operator: by default the tests run `python -m spectrain_operator` from this checkout as a
   local process (with the KUBECONFIG credentials), watching only the test namespace; set
   SPECTRAIN_E2E_OPERATOR=external when an operator already runs in the cluster (the Helm chart),
-  which must then watch the test namespace (all namespaces, the chart's default).
+  which must then watch the test namespace (install the chart with `--set clusterWide=true`, or list the
+  test namespace in `watchNamespaces`; its default watches only the release namespace).
 
 The CRD from crds/ is applied (created or replaced) before the tests; the namespace is deleted
 afterwards (its jobs first, while the operator still runs).

@@ -1,13 +1,18 @@
 """The operator under exactly the chart's RBAC, against a real kube-apiserver.
 
-- `test_operator_does_its_job_under_the_rendered_role`: the rendered ServiceAccount, ClusterRole and
-  ClusterRoleBinding are applied as-is; the operator runs as that ServiceAccount (a TokenRequest
-  token) with the Deployment's args and env, and every scenario passes with no request denied.
+- `test_default_install_watches_only_the_release_namespace`: the chart's default (a namespaced
+  install): a Role + RoleBinding in the release namespace, nothing cluster-wide; the operator runs
+  every scenario there, leaves a job in another namespace alone and is never denied a request.
+- `test_operator_does_its_job_under_the_rendered_role`: a cluster-wide install (`clusterWide: true`):
+  the rendered ServiceAccount, ClusterRole and ClusterRoleBinding are applied as-is; the operator
+  runs as that ServiceAccount (a TokenRequest token) with the Deployment's args and env, and every
+  scenario passes, in a namespace of its own, with no request denied.
 - `test_every_rule_is_needed`: minimality. For each (rule, resource, verb) of the rendered
-  ClusterRole, that one permission is removed and a fresh operator process runs the scenarios:
+  ClusterRole (the same rules as the default's Role), that one permission is removed and a fresh
+  operator process runs the scenarios:
   some scenario must fail. A scenario fails when an expected outcome does not appear before its
   deadline, or as soon as the apiserver's audit log shows a request of the operator answered 403.
-- `test_failover`: two replicas with leader election (rendered with replicaCount 2): exactly one holds
+- `test_failover`: two replicas with leader election (rendered with replicaCount 2, clusterWide): exactly one holds
   the coordination.k8s.io Lease and acts, the other does nothing; the leader is SIGKILLed and the
   follower takes the Lease over within the lease duration (plus one retry period) and reconciles.
 
@@ -55,6 +60,23 @@ def render(values: dict[str, Any], release: str = RELEASE) -> list[dict[str, Any
 def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     (found,) = [d for d in docs if d["kind"] == kind]
     return found
+
+
+def operator_namespaced_roles(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The operator's Roles in its watched namespaces (not the leader-election Role)."""
+    return [d for d in docs if d["kind"] == "Role" and not d["metadata"]["name"].endswith("-leader-election")]
+
+
+def job_body(ns: str, name: str, finalizers: list[str] | None = None, **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+        "metadata": {"name": name, "namespace": ns, **({"finalizers": finalizers} if finalizers else {})},
+        "spec": {"target": {"image": "example.org/spectrain/workloads:0.1.0", "nodes": 1,
+                            "procsPerNode": 1, "parallelism": {"data": 1, "pipeline": 1}},
+                 "runPolicy": {"maxRestarts": 2, "backoffSeconds": 0}}}
+    for key, value in spec.items():
+        body["spec"][key] = {**body["spec"].get(key, {}), **value} if isinstance(value, dict) else value
+    return body
 
 
 def chart_crds() -> list[dict[str, Any]]:
@@ -161,13 +183,17 @@ class Env:
                     raise
 
 
-HA_VALUES = {"replicaCount": 2, "leaderElection": {"leaseDurationSeconds": 8}}
+# The scenarios of the cluster-wide installs run in namespaces of their own: `clusterWide` opted in.
+CLUSTER_VALUES: dict[str, Any] = {"clusterWide": True}
+HA_VALUES = {"replicaCount": 2, "leaderElection": {"leaseDurationSeconds": 8}, "clusterWide": True}
 
 
 @pytest.fixture(scope="module")
 def envs(kube: KubeAPI, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Env]:
-    """Two installs side by side: the default (one replica, standalone) and HA (Lease rules too)."""
+    """Three installs side by side, each with its own ServiceAccount: the default (namespaced to the
+    release namespace, one replica), cluster-wide (one replica) and cluster-wide HA (Lease rules too)."""
     out = {"default": Env(kube, tmp_path_factory.mktemp("rbac-default"), {}),
+           "cluster": Env(kube, tmp_path_factory.mktemp("rbac-cluster"), CLUSTER_VALUES, release="spectrain-cw"),
            "ha": Env(kube, tmp_path_factory.mktemp("rbac-ha"), HA_VALUES, release="spectrain-ha")}
     kube.start_controller_manager()  # after the CRDs are established: GC of job children
     return out
@@ -212,13 +238,7 @@ class Run:
             raise
 
     def create_job(self, name: str, finalizers: list[str] | None = None, **spec: Any) -> None:
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
-                "metadata": {"name": name, "namespace": self.ns, **({"finalizers": finalizers} if finalizers else {})},
-                "spec": {"target": {"image": "example.org/spectrain/workloads:0.1.0", "nodes": 1,
-                                    "procsPerNode": 1, "parallelism": {"data": 1, "pipeline": 1}},
-                         "runPolicy": {"maxRestarts": 2, "backoffSeconds": 0}}}
-        for key, value in spec.items():
-            body["spec"][key] = {**body["spec"].get(key, {}), **value} if isinstance(value, dict) else value
+        body = job_body(self.ns, name, finalizers, **spec)
         self.env.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, body)
 
     def phase(self, name: str) -> str | None:
@@ -381,7 +401,46 @@ def test_chart_crds_apply(kube: KubeAPI, tmp_path: Path) -> None:
         crd["spec"]["group"] = test_group
         crd["metadata"]["name"] = f"{crd['spec']['names']['plural']}.{test_group}"
         kube.apply(crd)  # waits for Established
-@pytest.mark.parametrize("install", ["default", "ha"])
+def test_default_install_watches_only_the_release_namespace(envs: dict[str, Env]) -> None:
+    """The chart's default: the operator's rules in a Role + RoleBinding in the release namespace and
+    nothing cluster-wide; started with the rendered --namespace=<release namespace>, it reconciles
+    every scenario there, never touches a job in another namespace and is never denied a request
+    (it does not try to list or watch anywhere else)."""
+    env = envs["default"]
+    assert env.role == {} and not [d for d in env.docs if d["kind"] == "ClusterRoleBinding"]
+    assert sorted((d["kind"], d["metadata"]["namespace"]) for d in env.docs if d["kind"] in ("Role", "RoleBinding")) \
+        == [("Role", OP_NS), ("RoleBinding", OP_NS)]
+    args = env.dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--namespace={OP_NS}" in args and "--all-namespaces" not in args
+    assert env.allowed("list", GROUP, PLURAL, namespace=OP_NS)
+    assert not env.allowed("list", GROUP, PLURAL, namespace="default")
+    other = env.namespace("rbac-other")
+    env.custom.create_namespaced_custom_object(GROUP, VERSION, other, PLURAL, job_body(other, "elsewhere"))
+    since = env.kube.audit_offset()
+    try:
+        failure, seconds = run_scenarios(env, "default", ns=OP_NS)
+        assert failure is None, failure
+        # Nothing happened to the job in the other namespace: no status, no pods, no children.
+        job = env.custom.get_namespaced_custom_object(GROUP, VERSION, other, PLURAL, "elsewhere")
+        assert not job.get("status") and not job["metadata"].get("finalizers"), job
+        assert not env.core.list_namespaced_pod(other).items
+        assert not env.core.list_namespaced_service(other).items
+        assert not env.core.list_namespaced_config_map(other, label_selector="spectrain.io/job-name").items
+        assert not any(f"{other}/elsewhere" in log.read_text(errors="replace") for log in env.tmp.glob("*.log"))
+        # ...and the operator sent no request outside its namespace, so none was denied.
+        events = env.kube.audit_events(since, env.user)
+        assert events, "no audit events of the operator"
+        assert env.kube.denials(since, env.user) == []
+        outside = {(ev.get("verb"), ev.get("requestURI")) for ev in events
+                   if (ev.get("objectRef") or {}).get("resource") and (ev.get("objectRef") or {}).get("namespace") != OP_NS}
+        assert outside == set(), outside
+    finally:
+        env.cleanup_namespace(other)
+    print(f"default (namespaced) install: all scenarios passed in {OP_NS} in {seconds:.1f}s; "
+          f"the job in {other} untouched, no request denied")
+
+
+@pytest.mark.parametrize("install", ["cluster", "ha"])
 def test_operator_does_its_job_under_the_rendered_role(envs: dict[str, Env], install: str) -> None:
     env = envs[install]
     env.set_rules(env.role["rules"])
@@ -404,12 +463,14 @@ def test_watch_selected_namespaces_install(kube: KubeAPI, tmp_path: Path) -> Non
 
 
 def test_every_rule_is_needed(envs: dict[str, Env]) -> None:
-    """Minimality over the HA render: its ClusterRole (the default's rules) and the leader-election
-    Role in the release namespace (the Lease: create, get and update)."""
+    """Minimality over the cluster-wide HA render: its ClusterRole (the rules of the default's Role
+    and of the cluster-wide ClusterRole) and the leader-election Role in the release namespace (the
+    Lease: create, get and update)."""
     env = envs["ha"]
     rules, lease_rules = env.role["rules"], env.lease_role["rules"]
-    assert {json.dumps(r, sort_keys=True) for r in envs["default"].role["rules"]} == \
-        {json.dumps(r, sort_keys=True) for r in rules}
+    (default_role,) = operator_namespaced_roles(envs["default"].docs)
+    for same in (default_role["rules"], envs["cluster"].role["rules"]):
+        assert {json.dumps(r, sort_keys=True) for r in same} == {json.dumps(r, sort_keys=True) for r in rules}
     atoms = [("cluster", a) for a in permission_atoms(rules)] + [("lease", a) for a in permission_atoms(lease_rules)]
     assert len(atoms) >= 10
     unneeded, report = [], []

@@ -60,6 +60,31 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- else if $e }}true{{ else }}false{{ end }}
 {{- end }}
 
+{{/*
+"true" for a cluster-wide install (clusterWide: a ClusterRole + ClusterRoleBinding, every namespace
+watched), else "false". clusterWide together with a non-empty watchNamespaces fails the render.
+*/}}
+{{- define "spectrain-operator.clusterWide" -}}
+{{- if and .Values.clusterWide .Values.watchNamespaces }}
+{{- fail (printf "clusterWide: true and watchNamespaces: [%s] exclude each other (clusterWide watches every namespace). Set clusterWide=false to watch only the listed namespaces, or watchNamespaces=[] to watch every namespace." (join ", " .Values.watchNamespaces)) }}
+{{- end }}
+{{- if .Values.clusterWide }}true{{ else }}false{{ end }}
+{{- end }}
+
+{{/*
+The namespaces the operator watches and gets a Role + RoleBinding in, as a JSON list (read it with
+`include ... | fromJsonArray`): watchNamespaces when set, else the release namespace; empty for a
+cluster-wide install (every namespace). The one place this rule lives: RBAC, the Deployment's
+--namespace args and NOTES.txt all use it.
+*/}}
+{{- define "spectrain-operator.watchedNamespaces" -}}
+{{- if eq (include "spectrain-operator.clusterWide" .) "true" }}
+{{- list | toJson }}
+{{- else }}
+{{- default (list .Release.Namespace) .Values.watchNamespaces | toJson }}
+{{- end }}
+{{- end }}
+
 {{/* The operator's rules on namespaced resources (a ClusterRole cluster-wide, a Role per watched namespace). */}}
 {{- define "spectrain-operator.namespacedRules" -}}
 # SpecTrainJobs: listed and watched by kopf (event handlers only: it adds no finalizer and no

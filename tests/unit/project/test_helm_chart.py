@@ -26,11 +26,13 @@ CHART_OWNED_CRDS: set[str] = set()
 MONITORING_CRD_KINDS = {"PodMonitor", "PrometheusRule"}
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "default": {},
+    "default": {},   # a namespaced install watching the release namespace
+    "cluster-wide": {"clusterWide": True},
     "ha": {"replicaCount": 2, "leaderElection": {"leaseDurationSeconds": 10}, "api": {"qps": 50, "burst": 80}},
     "namespaced-ha": {"replicaCount": 3, "watchNamespaces": ["team-a", "team-b"]},
     "everything": {
         "replicaCount": 2,
+        "clusterWide": True,
         "image": {"repository": "registry.internal/spectrain/operator",
                   "digest": "sha256:" + "ab" * 32, "pullPolicy": "Always"},
         "imagePullSecrets": [{"name": "regcred"}],
@@ -107,6 +109,22 @@ def operator_roles(docs: list[dict[str, Any]], kind: str = "ClusterRole") -> lis
 def operator_cluster_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
     (role,) = operator_roles(docs)
     return role
+
+
+def leader_election(role: dict[str, Any]) -> bool:
+    return bool(role["metadata"]["name"].endswith("-leader-election"))
+
+
+def operator_namespaced_roles(docs: list[dict[str, Any]], kind: str = "Role") -> list[dict[str, Any]]:
+    """The operator's Roles (RoleBindings) in the watched namespaces, not the leader-election one."""
+    return [r for r in by_kind(docs, kind) if not leader_election(r)]
+
+
+def operator_rules(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The operator's rules: its ClusterRole's (clusterWide) or its Roles' (the same in each namespace)."""
+    roles = operator_roles(docs) or operator_namespaced_roles(docs)
+    assert roles and all(r["rules"] == roles[0]["rules"] for r in roles)
+    return list(roles[0]["rules"])
 
 
 def chart_crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
@@ -216,19 +234,62 @@ def test_default_deployment_is_hardened() -> None:
     probe = c["livenessProbe"]["httpGet"]
     port = {p["name"]: p["containerPort"] for p in c["ports"]}[probe["port"]]
     assert (port, probe["path"]) == (8080, "/healthz")
-    assert "--all-namespaces" in c["args"] and "--standalone" in c["args"]
+    assert "--standalone" in c["args"]
     assert "--log-format=json" in c["args"] and "--metrics-port=9090" in c["args"]
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     assert not by_kind(docs, "PodDisruptionBudget")
-    assert not by_kind(docs, "Role")   # no leader-election Role with one replica
-    # monitoring objects (ServiceMonitor, PodMonitor, PrometheusRule, dashboard ConfigMap) are opt-in
-    assert {d["kind"] for d in docs} == {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
+    assert not [r for r in by_kind(docs, "Role") if leader_election(r)]   # no Lease with one replica
+    # monitoring objects (ServiceMonitor, PodMonitor, PrometheusRule, dashboard ConfigMap) are opt-in;
+    # the ClusterRoles are the aggregate-to-edit/view ones (test_spectrainjobs_join_the_default_user_roles)
+    assert {d["kind"] for d in docs} == {"Deployment", "ServiceAccount", "ClusterRole", "Role", "RoleBinding",
                                          "Service", "NetworkPolicy"}
     sa = one(docs, "ServiceAccount")["metadata"]["name"]
     assert pod["serviceAccountName"] == sa
+
+
+def test_default_install_is_namespaced_to_the_release_namespace() -> None:
+    """The default watches the release namespace only: a Role + RoleBinding there, the operator
+    started with --namespace=<release namespace>, and none of its rules cluster-wide."""
+    docs = render({})
+    assert not operator_roles(docs) and not by_kind(docs, "ClusterRoleBinding")
+    (role,) = by_kind(docs, "Role")
+    (binding,) = by_kind(docs, "RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NAMESPACE
+    sa = one(docs, "ServiceAccount")["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    # the same rules a cluster-wide install grants in every namespace
+    assert role["rules"] == operator_cluster_role(render(VARIANTS["cluster-wide"]))["rules"]
+    args = _container(docs)["args"]
+    assert [a for a in args if a.startswith(("--namespace", "--all-namespaces"))] == [f"--namespace={NAMESPACE}"]
+    assert f"Watching: namespace {NAMESPACE} only" in notes({})
+
+
+def test_cluster_wide_is_an_opt_in() -> None:
+    """clusterWide: true renders the ClusterRole + ClusterRoleBinding and watches every namespace."""
+    docs = render(VARIANTS["cluster-wide"])
+    sa = one(docs, "ServiceAccount")["metadata"]["name"]
     crb = one(docs, "ClusterRoleBinding")
     assert crb["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
-    assert crb["roleRef"]["name"] == operator_cluster_role(docs)["metadata"]["name"]
+    assert crb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                              "name": operator_cluster_role(docs)["metadata"]["name"]}
+    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
+    args = _container(docs)["args"]
+    assert "--all-namespaces" in args and not [a for a in args if a.startswith("--namespace")]
+    assert "Watching: all namespaces" in notes(VARIANTS["cluster-wide"])
+
+
+@pytest.mark.parametrize("values", [
+    {"clusterWide": True, "watchNamespaces": ["team-a", "team-b"]},
+    {"clusterWide": True, "watchNamespaces": ["team-a"], "rbac": {"create": False}},   # the Deployment fails too
+])
+def test_cluster_wide_and_watch_namespaces_exclude_each_other(values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmError) as err:
+        render(values)
+    message = str(err.value)
+    assert "clusterWide: true and watchNamespaces: [team-a" in message
+    assert "Set clusterWide=false" in message and "watchNamespaces=[]" in message
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -254,6 +315,10 @@ def test_operator_cli_accepts_the_rendered_args(variant: str, monkeypatch: pytes
         assert args.standalone
     assert (args.qps, args.burst) == (values.get("api", {}).get("qps", 200), values.get("api", {}).get("burst", 400))
     assert args.log_format in ("json", "plain")
+    if values.get("clusterWide"):
+        assert args.all_namespaces and args.namespace == []
+    else:
+        assert args.namespace == (values.get("watchNamespaces") or [NAMESPACE]) and not args.all_namespaces
 
 
 def test_lease_identities_differ(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -274,15 +339,19 @@ def test_ha_renders_pdb_lease_role_and_rules() -> None:
     assert env["SPECTRAIN_LEASE_NAME"] == "spectrain-operator" and env["SPECTRAIN_LEASE_DURATION"] == "10"
     assert (env["SPECTRAIN_API_QPS"], env["SPECTRAIN_API_BURST"]) == ("50", "80")
     assert "POD_ID" in env and "SPECTRAIN_OPERATOR_NAMESPACE" in env
-    role = one(docs, "Role")
+    (role,) = [r for r in by_kind(docs, "Role") if leader_election(r)]
     assert role["metadata"]["namespace"] == NAMESPACE
     assert role["rules"] == [
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["spectrain-operator"],
          "verbs": ["get", "update"]},
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]}]
-    assert one(docs, "RoleBinding")["roleRef"]["name"] == role["metadata"]["name"]
-    rules = operator_cluster_role(docs)["rules"]
-    assert not any("leases" in r["resources"] for r in rules)   # nothing cluster-wide for the Lease
+    (binding,) = [b for b in by_kind(docs, "RoleBinding") if leader_election(b)]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    # the operator's own Role (the release namespace, the default) has no Lease rule, and neither
+    # has the ClusterRole of a cluster-wide HA install
+    assert not any("leases" in r["resources"] for r in operator_rules(docs))
+    assert not any("leases" in r["resources"]
+                   for r in operator_rules(render({**VARIANTS["ha"], "clusterWide": True})))
     anti = one(docs, "Deployment")["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
     assert anti["preferredDuringSchedulingIgnoredDuringExecution"]
 
@@ -299,12 +368,14 @@ def test_watch_selected_namespaces_has_no_cluster_scope() -> None:
         leases = [rule for rule in r["rules"] if "leases" in rule["resources"]]
         assert bool(leases) == (r["metadata"]["namespace"] == "spectrain-system")
     args = _container(docs)["args"]
-    assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
+    assert [a for a in args if a.startswith(("--namespace", "--all-namespaces"))] == \
+        ["--namespace=team-a", "--namespace=team-b"]   # exactly these: the release namespace is not added
+    assert "Watching: namespaces team-a, team-b" in notes(VARIANTS["namespaced-ha"])
 
 
 def test_features_add_only_their_rules() -> None:
     def groups(values: dict[str, Any]) -> set[str]:
-        return {g for r in operator_cluster_role(render(values))["rules"] for g in r["apiGroups"]}
+        return {g for r in operator_rules(render(values)) for g in r["apiGroups"]}
 
     base = groups({})
     assert base == {"spectrain.io", "", "rbac.authorization.k8s.io", "networking.k8s.io"}
@@ -384,7 +455,7 @@ def test_operator_network_policy_opens_only_its_two_ports() -> None:
 
 def test_operator_may_create_network_policies_and_nothing_more_on_them() -> None:
     """create, and get for the owner check on a 409 (kube.Kube.create): no update, patch or delete."""
-    for variant in ("default", "namespaced-ha"):
+    for variant in ("default", "cluster-wide", "namespaced-ha"):
         for role in operator_roles(render(VARIANTS[variant])) + by_kind(render(VARIANTS[variant]), "Role"):
             if role["metadata"]["name"].endswith("-leader-election"):
                 continue
@@ -413,6 +484,7 @@ def test_notes_mention_the_essentials() -> None:
     {"unknownKey": 1},
     {"features": {"gangProviders": ["Kueue"]}},
     {"watchNamespaces": ["Not_A_Namespace"]},
+    {"clusterWide": "yes"},
     {"logging": {"format": "xml"}},
     {"podSecurityContext": {"runAsNonRoot": False}},
     {"image": {"digest": "latest"}},
@@ -488,7 +560,7 @@ def test_spectrainjobs_join_the_default_user_roles() -> None:
     docs = render({})
     roles = {r["metadata"]["name"].rsplit("-", 1)[1]: r for r in by_kind(docs, "ClusterRole") if aggregated(r)}
     edit, view = roles["edit"], roles["view"]
-    assert edit["metadata"]["name"] == operator_cluster_role(docs)["metadata"]["name"] + "-edit"
+    assert edit["metadata"]["name"] == one(docs, "Deployment")["metadata"]["name"] + "-edit"
     labels = edit["metadata"]["labels"]
     assert labels["rbac.authorization.k8s.io/aggregate-to-edit"] == labels["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
     assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
