@@ -132,7 +132,8 @@ def acceptance(data: Path, target: Any = None) -> tuple[float, float]:
 def _sender(ports: list[int], key: bytes, mac: bool, stop: Any) -> None:
     """The last stage's side, a process of its own: debug-target samples as fast as the cap lets them go."""
     from spectrain_api.config import model_config
-    from spectrain_workloads.drafter.fleet import Fleet, FleetConfig
+    from spectrain_workloads.drafter.fleet import Fleet
+    from spectrain_workloads.drafter.fleet_records import FleetConfig
 
     torch.set_num_threads(1)
     cfg = model_config("debug", {"n_layers": N_LAYERS}, vocab_size=264)
@@ -155,7 +156,8 @@ def _throughput(mac: bool, seconds: float) -> tuple[float, float]:
 
     from spectrain_api.config import model_config
     from spectrain_workloads.drafter.checks import TargetSpec
-    from spectrain_workloads.drafter.fleet import Fleet, FleetConfig
+    from spectrain_workloads.drafter.fleet import Fleet
+    from spectrain_workloads.drafter.fleet_records import FleetConfig
     from spectrain_workloads.drafter.models import EagleDrafter, eagle_loss
 
     torch.set_num_threads(1)

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from spectrain_workloads.drafter.checks import TargetSpec
-from spectrain_workloads.drafter.fleet import Fleet, FleetConfig
+from spectrain_workloads.drafter.fleet import Fleet
+from spectrain_workloads.drafter.fleet_records import FleetConfig
 from spectrain_workloads.drafter.replicas import Replicas
 
 WORLD, PIPELINE, COORDINATOR = 2, 2, 1

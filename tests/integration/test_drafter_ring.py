@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from spectrain_api.names import ENV_FLEET_KEY_FILE, ENV_JOB_UID, ENV_RESTART_GENERATION
+from spectrain_api.names import ENV_DRAFTER_STORE, ENV_FLEET_KEY_FILE, ENV_JOB_UID, ENV_RESTART_GENERATION
 from spectrain_workloads.drafter.export import load_drafter
-from spectrain_workloads.drafter.fleet_records import STORE_ENV
 from spectrain_workloads.drafter.synthetic import SyntheticTarget
 from tests.integration.drafter_procs import Pod
 from tests.integration.test_drafter_fleet import _drive as fleet_drive
@@ -42,7 +41,7 @@ def _pods(root: Path) -> list[Pod]:
     return [Pod(root / f"pod-{r}", drafter=drafter, target=target,
                 settings={"checkpoint_every_s": 1.0, "verify_every_s": 1.0, "samples_per_step": 4},
                 env={"RANK": str(r), "WORLD_SIZE": str(WORLD), "SPECTRAIN_DRAFTER_PEERS": peers,
-                     "SPECTRAIN_DRAFTER_BIND": "127.0.0.1", STORE_ENV: f"127.0.0.1:{ports[WORLD]}",
+                     "SPECTRAIN_DRAFTER_BIND": "127.0.0.1", ENV_DRAFTER_STORE: f"127.0.0.1:{ports[WORLD]}",
                      ENV_FLEET_KEY_FILE: str(key), ENV_JOB_UID: "ring-test-uid", ENV_RESTART_GENERATION: "0"})
             for r in range(WORLD)]
 

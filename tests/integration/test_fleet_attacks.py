@@ -22,8 +22,8 @@ import torch
 
 from spectrain_workloads.drafter import auth
 from spectrain_workloads.drafter.auth import Identity, Session, client_handshake
-from spectrain_workloads.drafter.fleet import Fleet, FleetConfig
-from spectrain_workloads.drafter.fleet_records import pack_params
+from spectrain_workloads.drafter.fleet import Fleet
+from spectrain_workloads.drafter.fleet_records import FleetConfig, pack_params
 from spectrain_workloads.drafter.listener import FRAME_STALL_S
 from tests.integration.fleet_victim import COORDINATOR, PIPELINE, TARGET, WORLD, model
 from tests.launch import free_ports

@@ -37,7 +37,7 @@ def _example(name: str) -> dict[str, Any]:
 # Both examples run as shipped (pipelining 60 steps, DDP 150). On a 2-core CPU the DDP example's
 # windows are about one drafter unit long: the drafter works in a burst of windows after each cost
 # measurement, until costs paid beside the target's compute keep it out, and measures again after
-# REMEASURE_AFTER_S without work (drafter/worker.py). 150 steps leave each rank time for a second
+# REMEASURE_AFTER_S without work (drafter/worker_tasks.py). 150 steps leave each rank time for a second
 # measurement, so a run harvests nothing only if every burst on both ranks comes up empty.
 STEPS = {name: _example(name)["spec"]["target"]["steps"] for name in ("pipelining", "ddp")}
 

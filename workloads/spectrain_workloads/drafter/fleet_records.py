@@ -12,11 +12,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from spectrain_api.errors import ConfigError
-from spectrain_api.names import ENV_DRAFTER_BIND, ENV_DRAFTER_PEERS, ENV_DRAFTER_STORE
+from spectrain_api.names import ENV_DRAFTER_PEERS, ENV_DRAFTER_STORE
 from spectrain_workloads.drafter import checks
 
 # engine AllReduce: the drafters' TCPStore as host:port (tests, local runs); default `store_address`
-PEERS_ENV, BIND_ENV, STORE_ENV = ENV_DRAFTER_PEERS, ENV_DRAFTER_BIND, ENV_DRAFTER_STORE
 
 
 def parse_peers(text: str, world: int, local_world: int) -> list[tuple[str, int]]:
@@ -24,13 +23,13 @@ def parse_peers(text: str, world: int, local_world: int) -> list[tuple[str, int]
     hosts in brackets, `[fd00::1]:29600`."""
     nodes = [p.strip() for p in text.split(",") if p.strip()]
     if len(nodes) * local_world != world:
-        raise ConfigError(f"{PEERS_ENV} lists {len(nodes)} nodes x {local_world} local ranks, but WORLD_SIZE is "
+        raise ConfigError(f"{ENV_DRAFTER_PEERS} lists {len(nodes)} nodes x {local_world} local ranks, but WORLD_SIZE is "
                           f"{world}: one host:port per node (the operator sets it)")
     out = []
     for n in nodes:
         host, _, port = n.rpartition(":")
         if not host or not port.isdigit():
-            raise ConfigError(f"{PEERS_ENV}: {n!r} is not host:port")
+            raise ConfigError(f"{ENV_DRAFTER_PEERS}: {n!r} is not host:port")
         out += [(host.removeprefix("[").removesuffix("]"), int(port) + i) for i in range(local_world)]
     return out
 
@@ -44,10 +43,10 @@ def store_address(addresses: list[tuple[str, int]], export_rank: int, local_worl
 
 
 def parse_store(text: str) -> tuple[str, int]:
-    """STORE_ENV's `host:port` (IPv6 hosts in brackets)."""
+    """ENV_DRAFTER_STORE's `host:port` (IPv6 hosts in brackets)."""
     host, _, port = text.strip().rpartition(":")
     if not host or not port.isdigit():
-        raise ConfigError(f"{STORE_ENV}: {text!r} is not host:port")
+        raise ConfigError(f"{ENV_DRAFTER_STORE}: {text!r} is not host:port")
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
@@ -130,5 +129,5 @@ def unpack_params(data: bytes) -> dict[str, torch.Tensor]:
     return dict(st_load(data))
 
 
-__all__ = ["BIND_ENV", "Combined", "Contribution", "Credit", "FleetConfig", "PEERS_ENV", "STORE_ENV", "pack_params",
+__all__ = ["Combined", "Contribution", "Credit", "FleetConfig", "pack_params",
            "parse_peers", "parse_store", "raw_bytes", "store_address", "unpack_params"]

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from spectrain_workloads.drafter.fleet import Combined, Fleet
+from spectrain_workloads.drafter.fleet import Fleet
+from spectrain_workloads.drafter.fleet_records import Combined
 
 FINAL_ROUND_S = 3.0              # at shutdown: how long the last round of combining may take
 

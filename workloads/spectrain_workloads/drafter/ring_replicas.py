@@ -2,7 +2,7 @@
 interface as replicas.Replicas, the weights through a gloo ring all-reduce instead of the star.
 
 The drafter.fleet still carries the samples; the weights never go through it. The exporting rank's
-drafter hosts the drafters' TCPStore (`fleet_records.store_address`, or STORE_ENV); every drafter,
+drafter hosts the drafters' TCPStore (`fleet_records.store_address`, or ENV_DRAFTER_STORE); every drafter,
 the exporting one included, is a ring member (`allreduce.Combiner`).
 
 Rounds run on a thread of their own, so the worker never waits for the ring: `round(...)` (the

@@ -13,9 +13,10 @@ One worker per local rank follows ring file `ring-<i>`: in this process for one 
 else in one spawned process each. A disabled drafter (SPECTRAIN_DRAFTER_ENABLED=0, drafter.enabled
 false, policy Off) stays up idle, since a native sidecar that exits is restarted by the kubelet.
 Disabled in place by the operator (pod annotation names.ANNOTATION_DRAFTER_DISABLED, seen in the
-downward-API file SPECTRAIN_DRAFTER_CONTROL names): checked before anything opens the ring, touches
-the device or builds a model, and again at most every CONTROL_EVERY_S while working; the worker then
-stops, releases its model and the ring, reports Disabled/DisabledByOperator and idles until SIGTERM.
+downward-API file SPECTRAIN_DRAFTER_CONTROL names; read by drafter.control): checked before anything
+opens the ring, touches the device or builds a model, and again at most every CONTROL_EVERY_S while
+working; the worker then stops, releases its model and the ring, reports Disabled/DisabledByOperator
+and idles until SIGTERM.
 A failure caused by a peer's frame (errors.PeerFrameError) exits with names.EXIT_PEER_FRAME, which
 the operator counts apart from the drafter's own faults.
 SIGTERM: each worker finishes its current task (<= one micro-step), writes a checkpoint and
@@ -41,19 +42,14 @@ from spectrain_api.errors import ConfigError, PeerFrameError
 from spectrain_api.names import (
     ANNOTATION_DRAFTER_DISABLED,
     ENV_DEVICE,
-    ENV_DRAFTER_CONTROL,
     ENV_DRAFTER_ENABLED,
     ENV_EXPORT_DIR,
     ENV_RING_DIR,
     ENV_RUN_DIR,
     EXIT_PEER_FRAME,
 )
+from spectrain_workloads.drafter.control import CONTROL_EVERY_S, REASON_DISABLED, DrafterControl
 
-CONTROL_EVERY_S = 1.0            # how often a working drafter re-reads its control file (a stat and a read)
-REASON_DISABLED = "DisabledByOperator"
-_FALSE = frozenset({"", "0", "false", "no", "off"})
-_GO_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v",
-               "\\": "\\", "'": "'", '"': '"'}
 _QTY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 _POW = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 
@@ -77,90 +73,6 @@ def parse_memory(value: str, device_index: int = 0) -> int | None:
         raise ConfigError(f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={value!r} is not a memory size; "
                           "use e.g. 8G, 8Gi or 0=8G (spec.drafter.gpuShare.pinnedMemoryLimit)")
     return int(float(m.group(1)) * 1024 ** _POW[m.group(2).upper()])
-
-
-def go_unquote(text: str) -> str:
-    """The value of a Go double-quoted string literal (strconv.Quote: the kubelet's downward-API format).
-
-    Escapes \\a \\b \\f \\n \\r \\t \\v \\\\ \\' \\", \\xHH and \\OOO (bytes of UTF-8), \\uHHHH, \\UHHHHHHHH.
-    ValueError for text that is not one."""
-    if len(text) < 2 or text[0] != '"' or text[-1] != '"':
-        raise ValueError(f"not a Go-quoted string: {text!r}")
-    out, i, body = bytearray(), 0, text[1:-1]
-    while i < len(body):
-        c = body[i]
-        if c != "\\":
-            out += c.encode()
-            i += 1
-            continue
-        if i + 1 >= len(body):
-            raise ValueError(f"dangling backslash in {text!r}")
-        e = body[i + 1]
-        if e in _GO_ESCAPES:
-            out += _GO_ESCAPES[e].encode()
-            i += 2
-        elif e == "x":
-            out.append(int(body[i + 2:i + 4], 16))
-            i += 4
-        elif e in "01234567":
-            out.append(int(body[i + 1:i + 4], 8))
-            i += 4
-        elif e in "uU":
-            n = 4 if e == "u" else 8
-            digits = body[i + 2:i + 2 + n]
-            if len(digits) != n:
-                raise ValueError(f"short \\{e} escape in {text!r}")
-            out += chr(int(digits, 16)).encode()
-            i += 2 + n
-        else:
-            raise ValueError(f"unknown escape \\{e} in {text!r}")
-    return out.decode("utf-8", errors="replace")
-
-
-def parse_control(text: str) -> dict[str, str]:
-    """Annotations from a downward-API file: one `key="Go-quoted value"` a line. Lines that are not
-    (a file being replaced cannot be half-written: the kubelet swaps a symlink) are skipped."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if not sep or not key.strip():
-            continue
-        try:
-            out[key.strip()] = go_unquote(value.strip())
-        except ValueError:
-            continue
-    return out
-
-
-class DrafterControl:
-    """The operator's word on this drafter, from the file ENV_DRAFTER_CONTROL names (None: no file, never
-    disabled). Read by path each time (the kubelet replaces it through a symlink swap), at most every
-    `every_s`; once disabled, disabled for the life of the process."""
-
-    def __init__(self, path: str | None, every_s: float = CONTROL_EVERY_S) -> None:
-        self.path, self.every_s = path, every_s
-        self._read_at = -float("inf")
-        self._disabled = False
-
-    @classmethod
-    def from_env(cls) -> DrafterControl:
-        return cls(os.environ.get(ENV_DRAFTER_CONTROL) or None)
-
-    def disabled(self) -> bool:
-        if self._disabled or self.path is None:
-            return self._disabled
-        now = time.monotonic()
-        if now - self._read_at < self.every_s:
-            return False
-        self._read_at = now
-        try:
-            with open(self.path) as f:
-                text = f.read(1 << 20)
-        except OSError:
-            return False      # not projected (yet): nothing says disabled
-        value = parse_control(text).get(ANNOTATION_DRAFTER_DISABLED)
-        self._disabled = value is not None and value.strip().lower() not in _FALSE
-        return self._disabled
 
 
 def _env_int(name: str, default: int) -> int:
@@ -300,32 +212,35 @@ def idle_disabled(run_dir: Path, rank: int, settings: Any, stop: Any, prometheus
 
 def _fleet(cfg: Any, rank: int, world: int, export_rank: int) -> Any:
     """The exchange with the job's other drafters (drafter.fleet); None alone or when turned off.
-    It listens on the pod's own addresses (ENV_POD_IPS, one socket per family; BIND_ENV overrides,
+    It listens on the pod's own addresses (ENV_POD_IPS, one socket per family; ENV_DRAFTER_BIND overrides,
     comma-separated), never on every interface, and authenticates with the job's key."""
     from spectrain_api.names import (
         ALLREDUCE,
+        ENV_DRAFTER_BIND,
+        ENV_DRAFTER_PEERS,
+        ENV_DRAFTER_STORE,
         ENV_FLEET_KEY_FILE,
         ENV_JOB_UID,
         ENV_POD_IPS,
         ENV_RESTART_GENERATION,
     )
     from spectrain_workloads.drafter.auth import load_key
-    from spectrain_workloads.drafter.fleet import BIND_ENV, PEERS_ENV, Fleet, FleetConfig, parse_peers
-    from spectrain_workloads.drafter.fleet_records import STORE_ENV, parse_store, store_address
+    from spectrain_workloads.drafter.fleet import Fleet
+    from spectrain_workloads.drafter.fleet_records import FleetConfig, parse_peers, parse_store, store_address
 
     ex = cfg.drafter.exchange
-    peers = os.environ.get(PEERS_ENV, "")
+    peers = os.environ.get(ENV_DRAFTER_PEERS, "")
     if world < 2 or not ex.enabled or not peers:
         return None
-    binds = [h.strip() for h in (os.environ.get(BIND_ENV) or os.environ.get(ENV_POD_IPS, "")).split(",") if h.strip()]
+    binds = [h.strip() for h in (os.environ.get(ENV_DRAFTER_BIND) or os.environ.get(ENV_POD_IPS, "")).split(",") if h.strip()]
     if not binds:
-        raise ConfigError(f"neither {BIND_ENV} nor {ENV_POD_IPS} is set: the drafter exchange listens on the pod's "
+        raise ConfigError(f"neither {ENV_DRAFTER_BIND} nor {ENV_POD_IPS} is set: the drafter exchange listens on the pod's "
                           f"own addresses only (the operator sets {ENV_POD_IPS} from status.podIPs)")
     local_world = _env_int("LOCAL_WORLD_SIZE", 1)
     addresses = parse_peers(peers, world, local_world)
     store = None
     if ex.engine == ALLREDUCE:    # the weights through the ring, on the store the exporting rank's drafter hosts
-        override = os.environ.get(STORE_ENV, "")
+        override = os.environ.get(ENV_DRAFTER_STORE, "")
         store = parse_store(override) if override else store_address(addresses, export_rank, local_world)
     return Fleet(FleetConfig(
         rank=rank, world=world, pipeline=cfg.target.parallelism.pipeline, coordinator=export_rank,

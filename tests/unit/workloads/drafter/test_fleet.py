@@ -14,7 +14,8 @@ import torch
 from spectrain_api.errors import ConfigError
 from spectrain_workloads.drafter.auth import Identity, Session
 from spectrain_workloads.drafter.checks import TargetSpec
-from spectrain_workloads.drafter.fleet import Combined, Fleet, FleetConfig, parse_peers
+from spectrain_workloads.drafter.fleet import Fleet
+from spectrain_workloads.drafter.fleet_records import Combined, FleetConfig, parse_peers
 from spectrain_workloads.drafter.links import Frame, Link, Stats, TokenBucket
 from spectrain_workloads.drafter.listener import Server
 from spectrain_workloads.drafter.replicas import ModelSync

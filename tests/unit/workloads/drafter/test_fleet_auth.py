@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from spectrain_api.errors import ConfigError
-from spectrain_api.names import ENV_FLEET_KEY_FILE, ENV_POD_IPS
+from spectrain_api.names import ENV_DRAFTER_STORE, ENV_FLEET_KEY_FILE, ENV_POD_IPS
 from spectrain_workloads.drafter import auth, listener
 from spectrain_workloads.drafter.auth import AuthError, Identity, Session, client_handshake, load_key
-from spectrain_workloads.drafter.fleet_records import STORE_ENV, parse_peers, store_address
+from spectrain_workloads.drafter.fleet_records import parse_peers, store_address
 from spectrain_workloads.drafter.links import Frame, Link, Stats, TokenBucket
 from spectrain_workloads.drafter.listener import Server
 from tests.launch import free_ports
@@ -122,13 +122,13 @@ def test_the_sidecar_needs_a_key_and_the_pods_addresses(tmp_path: Path, monkeypa
         fleet.close()
     # engine AllReduce: the store on the exporting rank's pod, after its drafter ports (one per local rank)
     ex.engine = "AllReduce"
-    monkeypatch.delenv(STORE_ENV, raising=False)
+    monkeypatch.delenv(ENV_DRAFTER_STORE, raising=False)
     fleet = _fleet(cfg, 0, 2, 1)
     try:
         assert not fleet.star and fleet.cfg.store == ("127.0.0.1", b + 1)
     finally:
         fleet.close()
-    monkeypatch.setenv(STORE_ENV, "[::1]:7000")
+    monkeypatch.setenv(ENV_DRAFTER_STORE, "[::1]:7000")
     fleet = _fleet(cfg, 0, 2, 1)
     try:
         assert fleet.cfg.store == ("::1", 7000)

@@ -16,7 +16,8 @@ from spectrain_api.config import from_manifest
 from spectrain_api.rules import check_spec
 from spectrain_workloads.drafter import checks
 from spectrain_workloads.drafter.allreduce import Result
-from spectrain_workloads.drafter.fleet import Fleet, FleetConfig
+from spectrain_workloads.drafter.fleet import Fleet
+from spectrain_workloads.drafter.fleet_records import FleetConfig
 from spectrain_workloads.drafter.ring_replicas import RingReplicas, check_result, pace_s, ring_timeout_s
 from tests.launch import free_ports
 from tests.waiting import wait_for

@@ -1,4 +1,4 @@
-"""Exports safe to serve (export.py) and the operator's control file (sidecar.DrafterControl).
+"""Exports safe to serve (export.py) and the operator's control file (control.DrafterControl).
 
 Versions are never reused (a high-water mark outlives pruned directories and lost checkpoints),
 LATEST only moves forward, non-finite weights are refused, config.json's sha256 is checked on load,
@@ -18,9 +18,9 @@ import torch
 from spectrain_api.errors import ConfigError
 from spectrain_api.names import ANNOTATION_DRAFTER_DISABLED
 from spectrain_workloads.drafter import export as ex
+from spectrain_workloads.drafter.control import DrafterControl, go_unquote, parse_control
 from spectrain_workloads.drafter.models import build_drafter
 from spectrain_workloads.drafter.settings import DrafterSettings
-from spectrain_workloads.drafter.sidecar import DrafterControl, go_unquote, parse_control
 from spectrain_workloads.model import model_config
 
 pytestmark = pytest.mark.unit
