@@ -19,25 +19,36 @@ PLURAL = "spectrainjobs"
 # ---------------------------------------------------------------- enums (the CRD's enum lists)
 # status.phase of a SpecTrainJob (the operator writes it; the CRD enumerates it)
 PHASES = ("Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+PENDING, STARTING, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED = PHASES
 # status.drafter.state (the drafter worker sets it; its Prometheus state gauge enumerates it)
 DRAFTER_STATES = ("Disabled", "Waiting", "Active", "Degraded")
+DISABLED, WAITING, ACTIVE, DEGRADED = DRAFTER_STATES
 MODES = ("Pretrain", "RL", "AsyncPipeline")
 PRETRAIN, RL, ASYNC_PIPELINE = MODES
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
-INTERLEAVED = "Interleaved1F1B"
+GPIPE, ONE_F_ONE_B, INTERLEAVED = SCHEDULES
 INTERLEAVED_CHUNKS = 2          # model chunks (virtual stages) per rank; API.md has no field for it
 WINDOW_KINDS = ("Bubble", "Communication", "Imbalance", "RolloutTail")
 DRAFTER_ARCHS = ("Eagle", "LM")
+EAGLE, LM = DRAFTER_ARCHS
+# The EAGLE-3 drafter (drafter/eagle3.py): exported, served and decoded with; jobs do not train it yet,
+# so the CRD does not offer it in DRAFTER_ARCHS.
+EAGLE3 = "Eagle3"
 # spec.drafter.exchange.engine: the star through the exporting rank (drafter.fleet, authenticated) or
 # the gloo ring all-reduce on the drafters' own store (drafter.allreduce, unauthenticated transport)
 EXCHANGE_ENGINES = ("Star", "AllReduce")
 STAR, ALLREDUCE = EXCHANGE_ENGINES
 ACTIVATION_POLICIES = ("IdleOnly", "Always", "Off")
+IDLE_ONLY, ALWAYS, OFF = ACTIVATION_POLICIES
 OPTIMIZERS = ("AdamW", "BasisRotation")
+ADAMW, BASIS_ROTATION = OPTIMIZERS
 BASIS_GEOMETRIES = ("Bilateral", "Unilateral")
+BILATERAL, UNILATERAL = BASIS_GEOMETRIES
 BASIS_SOURCES = ("SecondMoment", "FirstMoment")
+SECOND_MOMENT, FIRST_MOMENT = BASIS_SOURCES
 RL_TASKS = ("arithmetic", "copy", "sort", "alphabet")
 DRAFT_STRATEGIES = ("Bandit", "Fixed")
+BANDIT, FIXED = DRAFT_STRATEGIES
 MAX_DRAFT_TOKENS = 32
 DATA_BUILTINS = ("python-stdlib",)
 # Hugging Face targets (spec.target.model.path): config.json's `architectures[0]`.

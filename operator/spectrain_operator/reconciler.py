@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from spectrain_api.names import ANNOTATION_DRAFTER_DISABLED
+from spectrain_api.names import ANNOTATION_DRAFTER_DISABLED, FAILED
 from spectrain_operator import access, builders, gpu_sharing, metrics, objects, scheduling
 from spectrain_operator import spec as specmod
 from spectrain_operator import status as statusmod
@@ -259,7 +259,7 @@ class Reconciler:
         if plan.create_nodes:
             plan = self._create(job, pods, now, plan)
         self._execute(job, plan)
-        if plan.status.get("phase") == "Failed":  # no more pods: let Kueue finish the pod group
+        if plan.status.get("phase") == FAILED:  # no more pods: let Kueue finish the pod group
             self._release_kueue(namespace, pods)
         return plan
 
@@ -325,7 +325,7 @@ class Reconciler:
         new = {"phase": "Failed", "observedGeneration": int(job["metadata"].get("generation") or 0),
                "conditions": conds.as_list(), "completionTime": old.get("completionTime") or stamp}
         self._write_status(job, new, old, [statusmod.Event("Warning", "Failed", "; ".join(errors[:8]))]
-                           if old.get("phase") != "Failed" else [])
+                           if old.get("phase") != FAILED else [])
         self.requeue(job["metadata"]["namespace"], job["metadata"]["name"], self.resync_s)
         return None
 

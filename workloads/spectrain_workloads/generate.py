@@ -6,11 +6,18 @@
 
 The target is the model directory (a Hugging Face layout: the source of a job, or the trained
 $RUN_DIR/target/hf); the drafter is an export root ($SPECTRAIN_EXPORT_DIR, follows LATEST) or one
-of its v<N> directories. Decoding is the project's speculative-decoding engine (specdec: static KV
-caches, rejection-sampling verification, the adaptive controller choosing 0..K drafted tokens per
-step from costs it measures on this device: k = 0 where drafting does not pay), so the output
-distribution is the target's own: at temperature 0 the tokens are the target's greedy tokens
-(transformers' generate(do_sample=False)). Prompts are tokenized as transformers does
+of its v<N> directories, or an EAGLE-3 export (drafter/eagle3_export.py): its `speculators/`
+directory or the root `export_eagle3` wrote holding it (not `sglang/`, which names no target and
+feature layers on its own). An EAGLE-3 drafter borrows the target's embedding and is refused,
+naming both sides, when its hidden size, vocabulary, feature layers (vs the target's layer count)
+or architecture are another target's; the engine then has the target return the residual stream
+before the drafter's feature layers at every position it verifies.
+
+Decoding is the project's speculative-decoding engine (specdec: static KV caches, rejection-sampling
+verification, the adaptive controller choosing 0..K drafted tokens per step from costs it measures
+on this device: k = 0 where drafting does not pay), so the output distribution is the target's
+own: at temperature 0 the tokens are the target's greedy tokens (transformers'
+generate(do_sample=False)). Prompts are tokenized as transformers does
 (`tokenizer(text).input_ids`, specials included). The output reports the controller's decisions:
 `k_histogram` (decode steps per draft length) and `plain_share` (the share of steps decoded plainly).
 
@@ -33,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from spectrain_api.errors import ConfigError
+from spectrain_api.names import EAGLE
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -65,15 +73,23 @@ def load_target(model_dir: str) -> tuple[Any, Any, Any]:
     return target.eval(), HFTokenizer(source.root, model_vocab=source.model_config.vocab_size), source
 
 
-def load_matching_drafter(drafter_dir: str, source: Any) -> tuple[Any, dict[str, Any]]:
-    """The exported drafter, refused (naming both) when it was trained for another target."""
+def load_matching_drafter(drafter_dir: str, source: Any, target: Any = None) -> tuple[Any, dict[str, Any]]:
+    """The exported drafter, refused (naming both) when it was trained for another target. target:
+    the loaded HFStage, whose embedding an EAGLE-3 drafter borrows (None: the export's copy)."""
+    from spectrain_workloads.drafter.eagle3_export import find_eagle3, load_eagle3
     from spectrain_workloads.drafter.export import load_drafter
 
+    try:
+        if find_eagle3(drafter_dir) is not None:
+            embedding = target.model.embed_tokens.weight if target is not None else None
+            return load_eagle3(drafter_dir, target_config=source.config, embedding=embedding)
+    except ConfigError as exc:
+        raise ConfigError(f"--drafter {exc}") from exc
     module, meta = load_drafter(drafter_dir)
     want = source.model_config
     got = module.cfg
     # An Eagle drafter reads the target's hidden states (same width); an LM drafter only its tokens.
-    shared = (("vocab size", "vocab_size"), ("hidden size", "dim")) if meta.get("arch") == "Eagle" else \
+    shared = (("vocab size", "vocab_size"), ("hidden size", "dim")) if meta.get("arch") == EAGLE else \
         (("vocab size", "vocab_size"),)
     problems = [f"{name} {getattr(got, attr)} vs the target's {getattr(want, attr)}"
                 for name, attr in shared if getattr(got, attr) != getattr(want, attr)]
@@ -81,7 +97,7 @@ def load_matching_drafter(drafter_dir: str, source: Any) -> tuple[Any, dict[str,
         raise ConfigError(f"--drafter {drafter_dir}: trained for another model ({'; '.join(problems)}); export a "
                           f"drafter from a job on --model {source.root}")
     hf = meta.get("hf_target_config")
-    if meta.get("arch") == "Eagle" and hf is None:
+    if meta.get("arch") == EAGLE and hf is None:
         raise ConfigError(f"--drafter {drafter_dir}: an Eagle drafter of a preset target; an HF model needs the "
                           "drafter a job on that model exports")
     if hf is not None and hf.get("architectures") != source.config.get("architectures"):
@@ -137,8 +153,9 @@ def generate(args: argparse.Namespace) -> dict[str, Any]:
     device, dtype = placement(args.device, args.dtype)
     torch.manual_seed(args.seed)
     target, tok, source = load_target(args.model)
-    drafter, _ = load_matching_drafter(args.drafter, source)
-    target, drafter = target.to(device, dtype), drafter.to(device, dtype)
+    target = target.to(device, dtype)               # first: an EAGLE-3 drafter borrows its embedding as placed
+    drafter, _ = load_matching_drafter(args.drafter, source, target)
+    drafter = drafter.to(device, dtype)
     ids = [list(tok.tok(p).input_ids) for p in prompts]
     if any(not p for p in ids):
         raise ConfigError("a prompt tokenizes to nothing; give at least one character")

@@ -10,7 +10,13 @@ untouched; the next restart the job needs anyway builds pods without the sidecar
 
 from __future__ import annotations
 
-from spectrain_api.names import ANNOTATION_DRAFTER, ANNOTATION_DRAFTER_DISABLED, EXIT_PEER_FRAME
+from spectrain_api.names import (
+    ACTIVE,
+    ANNOTATION_DRAFTER,
+    ANNOTATION_DRAFTER_DISABLED,
+    DEGRADED,
+    EXIT_PEER_FRAME,
+)
 from spectrain_operator import faults, objects
 from spectrain_operator import pods as podlib
 from spectrain_operator.objects import DRAFTER, Obj
@@ -108,14 +114,14 @@ def summary(pods_by_node: dict[int, Obj], previous: object, *, enabled: bool, de
     harvested = [v for v in (finite(r.get("harvestedSeconds")) for r in reports) if v is not None]
     efficiency = [v for v in (finite(r.get("harvestEfficiency")) for r in reports) if v is not None]
     acceptance = [v for v in (finite(r.get("acceptanceLength")) for r in reports) if v is not None]
-    active = sum(1 for r in reports if r.get("state") == "Active")
+    active = sum(1 for r in reports if r.get("state") == ACTIVE)
     if degraded:
         state = "Degraded"
     elif not enabled:
         state = "Disabled"
     elif active:
         state = "Active"
-    elif any(r.get("state") == "Degraded" for r in reports):
+    elif any(r.get("state") == DEGRADED for r in reports):
         state = "Degraded"
     else:
         state = "Waiting"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from spectrain_api.names import FAILED
 from spectrain_operator import pods as podlib
 from spectrain_operator.pods import fmt_time, parse_time
 from spectrain_operator.policy.context import Context
@@ -48,7 +49,7 @@ def stay_terminal(ctx: Context) -> Outcome | None:
     prev = ctx.prev_phase
     if prev is None or prev not in TERMINAL:
         return None
-    if prev == "Failed":
+    if prev == FAILED:
         ctx.plan.delete_pods = ctx.pods.active()
     if ctx.status["completionTime"] is None:
         ctx.status["completionTime"] = fmt_time(ctx.now)

@@ -276,3 +276,28 @@ def test_the_seam_names_are_spelled_once() -> None:
             for node in ast.walk(ast.parse(f.read_text()))
             if isinstance(node, ast.Constant) and node.value in seam]
     assert not hits, hits
+
+
+def test_the_spec_enums_are_compared_through_their_names() -> None:
+    """Code that branches on a spec enum (mode, schedule, arch, policy, phase, ...) compares with the
+    constant spectrain_api.names unpacks from the CRD's tuple, never a second spelling of the value;
+    Kubernetes' own words that happen to be equal (a pod's phase "Failed", restartPolicy "Always")
+    stay literal in the modules that read pods."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    enums = {v for k, t in vars(names).items() if k.isupper() and isinstance(t, tuple)
+             for v in t if isinstance(v, str) and any(getattr(names, c, None) == v for c in vars(names)
+                                                       if c.isupper() and c != k)}
+    assert {"Eagle", "Failed", "Interleaved1F1B", "IdleOnly"} <= enums
+    kube_words = {"pods.py": set(names.PHASES), "faults.py": set(names.PHASES), "local_layout.py": {"Always"}}
+    hits = []
+    for d in ("operator/spectrain_operator", "workloads/spectrain_workloads"):
+        for f in (root / d).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Compare):
+                    hits += [f"{f.relative_to(root)}:{c.lineno}: {c.value!r}" for c in (node.left, *node.comparators)
+                             if isinstance(c, ast.Constant) and c.value in enums
+                             and c.value not in kube_words.get(f.name, set())]
+    assert not hits, hits

@@ -57,6 +57,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from spectrain_api.errors import ConfigError
+from spectrain_api.names import EAGLE3
 
 KV = tuple[torch.Tensor, torch.Tensor]   # keys, values [B, n_kv, S, d] (RoPE applied)
 STEP_DECAY = 0.8                         # SpecForge's ploss_weight = [0.8**i ...]
@@ -196,7 +197,7 @@ class Eagle3Drafter(nn.Module):
     fills it); otherwise HF's normal(0, initializer_range) init.
     """
 
-    arch = "Eagle3"
+    arch = EAGLE3
     embed_weight: torch.Tensor
     d2t: torch.Tensor
     t2d: torch.Tensor

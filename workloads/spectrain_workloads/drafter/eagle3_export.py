@@ -22,6 +22,14 @@ Only the speculators directory carries the target's embedding (`embed_tokens.wei
 save_pretrained writes it; its loader does not refill a missing one, see eagle3_tables.py); SGLang
 installs the target's and vLLM shares it, so the sglang directory has none (SpecForge's
 `_REQUIRED_SERVING_KEYS` has none either).
+
+Loading back (`load_eagle3`, what `spectrain generate --drafter DIR` uses): DIR is the speculators
+directory or the export root holding it (`find_eagle3`); the speculators one because it is complete
+on its own (it names its target and feature layers in the format vLLM reads). The drafter borrows
+the running target's embedding (the file's copy is used only when no target is given) and is refused,
+naming both sides, when it was trained for another target: hidden size, vocabulary, a feature layer
+the target does not have, or another architecture (`target_mismatches`). Pointing at the sglang
+directory is refused with the way to the speculators one.
 """
 
 from __future__ import annotations
@@ -29,13 +37,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from spectrain_api.errors import ConfigError
 from spectrain_api.fsio import atomic_dir
-from spectrain_workloads.drafter.eagle3 import TTT_STEPS, Eagle3Drafter
+from spectrain_workloads.drafter.eagle3 import TTT_STEPS, Eagle3Drafter, eagle3_layer_config
 from spectrain_workloads.drafter.eagle3_tables import (
     FLOAT_DTYPES,
     SGLANG,
@@ -177,3 +186,76 @@ def export_eagle3(out_dir: str | os.PathLike[str], drafter: Eagle3Drafter, *, ta
 
         written[layout] = atomic_dir(Path(out_dir) / layout, fill)
     return written
+
+
+# ---------------------------------------------------------------- loading back
+
+def _config(d: Path) -> dict[str, Any]:
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def find_eagle3(path: str | os.PathLike[str]) -> Path | None:
+    """The speculators directory of an EAGLE-3 export given it or the export root holding it; None
+    when `path` is neither (another kind of drafter export). The sglang directory is refused."""
+    p = Path(path)
+    for d in (p, p / SPECULATORS):
+        if _config(d).get("speculators_model_type") == "eagle3":
+            return d
+    if _config(p).get("architectures") == [SGLANG_ARCH]:
+        raise ConfigError(f"{p} is the sglang layout of an EAGLE-3 export; give its sibling "
+                          f"{p.parent / SPECULATORS} or the export root {p.parent}")
+    return None
+
+
+def target_mismatches(config: dict[str, Any], target_config: dict[str, Any]) -> list[str]:
+    """What makes a speculators EAGLE-3 config (ours) unfit for a target (its config.json), each
+    naming both sides; empty when it fits."""
+    layer = config.get("transformer_layer_config") or {}
+    out = []
+    for name, ours, theirs in (("hidden size", config.get("target_hidden_size", layer.get("hidden_size")),
+                                target_config.get("hidden_size")),
+                               ("vocab size", layer.get("vocab_size"), target_config.get("vocab_size"))):
+        if ours != theirs:
+            out.append(f"{name} {ours} vs the target's {theirs}")
+    ids, n_layers = list(config.get("eagle_aux_hidden_state_layer_ids") or []), target_config.get("num_hidden_layers")
+    if not isinstance(n_layers, int) or len(ids) != 3 or not all(isinstance(i, int) and 0 <= i < n_layers for i in ids):
+        out.append(f"feature layers {ids} vs the target's {n_layers} layers")
+    archs = ((config.get("speculators_config") or {}).get("verifier") or {}).get("architectures")
+    if archs and target_config.get("architectures") and archs != target_config["architectures"]:
+        out.append(f"architectures {archs} vs the target's {target_config['architectures']}")
+    return out
+
+
+def load_eagle3(path: str | os.PathLike[str], *, target_config: dict[str, Any],
+                embedding: torch.Tensor | None = None) -> tuple[Eagle3Drafter, dict[str, Any]]:
+    """(Eagle3Drafter in eval mode, the speculators config.json) from an export (`find_eagle3`),
+    for the target whose config.json is `target_config`; embedding [V, H]: the target's, borrowed
+    (None: the export's copy). ConfigError for a layout problem or another target's drafter."""
+    from safetensors.torch import load_file
+
+    d = find_eagle3(path)
+    if d is None:
+        raise ConfigError(f"{path}: no EAGLE-3 export (a {SPECULATORS}/ directory or an export root holding one)")
+    problems = layout_problems(d)
+    if problems:
+        raise ConfigError(f"{d}: not a loadable EAGLE-3 export: {'; '.join(problems)}")
+    config = _config(d)
+    wrong = target_mismatches(config, target_config)
+    if wrong:
+        raise ConfigError(f"{d}: an EAGLE-3 drafter for another target ({'; '.join(wrong)}); "
+                          f"the target is {target_config.get('architectures')}")
+    tensors = load_file(str(d / WEIGHTS))
+    own = tensors.pop("embed_tokens.weight")
+    state = {f"midlayer.{k.removeprefix('layers.0.')}" if k.startswith("layers.0.") else k: v for k, v in tensors.items()}
+    layer_cfg = eagle3_layer_config(SimpleNamespace(**config["transformer_layer_config"]))
+    drafter = Eagle3Drafter(layer_cfg, own if embedding is None else embedding, config["eagle_aux_hidden_state_layer_ids"],
+                            target_num_layers=int(target_config["num_hidden_layers"]),
+                            d2t=state.get("d2t"), t2d=state.get("t2d"))
+    state.setdefault("d2t", drafter.d2t)          # a full vocabulary: speculators writes no maps
+    state.setdefault("t2d", drafter.t2d)
+    drafter.load_state_dict(state, strict=True)
+    return drafter.eval(), config

@@ -44,6 +44,7 @@ from torch import nn
 from spectrain_api.errors import ConfigError
 from spectrain_api.fsio import atomic_dir, atomic_write_text
 from spectrain_workloads.drafter.models import EagleDrafter
+from spectrain_api.names import EAGLE, LM
 from spectrain_workloads.model import ModelConfig, Transformer
 
 FORMAT = "spectrain-drafter/1"
@@ -306,13 +307,13 @@ def load_drafter(path: str | os.PathLike[str], *, device: str | torch.device = "
     known = set(ModelConfig.__dataclass_fields__)
     cfg = ModelConfig(**{k: v for k, v in meta["model_config"].items() if k in known})
     module: nn.Module
-    if meta["arch"] == "Eagle" and "hf_target_config" in meta:
+    if meta["arch"] == EAGLE and "hf_target_config" in meta:
         from spectrain_workloads.drafter.hf_eagle import HFEagleDrafter  # imports transformers
 
         module = HFEagleDrafter(meta["hf_target_config"])
-    elif meta["arch"] == "Eagle":
+    elif meta["arch"] == EAGLE:
         module = EagleDrafter(cfg)
-    elif meta["arch"] == "LM":
+    elif meta["arch"] == LM:
         module = Transformer(cfg)
     else:
         raise ConfigError(f"{d}/config.json: unknown arch {meta['arch']!r}")

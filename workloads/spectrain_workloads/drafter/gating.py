@@ -19,6 +19,8 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from spectrain_api.names import ALWAYS, OFF
+
 MS = 1_000_000
 MAX_SITES = 64         # call sites told apart per kind and step (the rest share the last one)
 
@@ -242,9 +244,9 @@ class Gate:
 
     def budget(self, now_ns: int) -> Budget:
         """The best usable open window and its predicted remaining time minus the margin."""
-        if self.policy == "Off":
+        if self.policy == OFF:
             return Budget(None, -1, "policy Off")
-        if self.policy == "Always":
+        if self.policy == ALWAYS:
             return Budget(None, UNLIMITED_NS, "")
         best: Budget = Budget(None, -1, "no open window")
         for w in self.tracker.open.values():
@@ -268,9 +270,9 @@ class Gate:
         Starting work in a window additionally needs room for one unit of work (the rule that
         keeps the drafter out of windows shorter than what it can do).
         """
-        if self.policy == "Always":
+        if self.policy == ALWAYS:
             return True
-        if self.policy == "Off" or budget.remaining_ns < 0:
+        if self.policy == OFF or budget.remaining_ns < 0:
             return False
         need = cost_ns or 0
         if starting:

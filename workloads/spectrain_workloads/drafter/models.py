@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spectrain_api.errors import ConfigError
+from spectrain_api.names import EAGLE
 from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.model import Block, KVCache, ModelConfig, Transformer, rope_cache
 
@@ -95,11 +96,11 @@ def build_drafter(settings: DrafterSettings, target_cfg: ModelConfig, *, seed: i
     hf_config: an HF target's config.json; its Eagle drafter is built of the target's own layer
     class (drafter.hf_eagle), in the layout serving engines load."""
     torch.manual_seed(settings.seed if seed is None else seed)
-    if settings.arch == "Eagle" and hf_config is not None:
+    if settings.arch == EAGLE and hf_config is not None:
         from spectrain_workloads.drafter.hf_eagle import HFEagleDrafter  # imports transformers
 
         return HFEagleDrafter(hf_config)
-    if settings.arch == "Eagle":
+    if settings.arch == EAGLE:
         return EagleDrafter(target_cfg)
     model = Transformer(lm_config(settings, target_cfg))
     model.init_weights(settings.seed if seed is None else seed)

@@ -47,6 +47,7 @@ from spectrain_api.names import (
     ENV_RING_DIR,
     ENV_RUN_DIR,
     EXIT_PEER_FRAME,
+    OFF,
 )
 from spectrain_workloads.drafter.control import CONTROL_EVERY_S, REASON_DISABLED, DrafterControl
 
@@ -182,7 +183,7 @@ def _run_worker(cfg: Any, settings: Any, local_rank: int, rank: int, run_dir: Pa
     enabled = os.environ.get(ENV_DRAFTER_ENABLED, "1") != "0" and cfg.drafter.enabled
     if not enabled:
         settings.policy = "Off"
-    fleet = _fleet(cfg, rank, world, export_rank) if settings.policy != "Off" else None
+    fleet = _fleet(cfg, rank, world, export_rank) if settings.policy != OFF else None
     worker = Worker(settings=settings, rank=rank, ring_path=ring_dir / f"ring-{local_rank}",
                     run_dir=run_dir, export_dir=export_dir if rank == export_rank else None,
                     device=device, stop=stop, memory_cap_bytes=_memory_cap(device), fleet=fleet, control=control,

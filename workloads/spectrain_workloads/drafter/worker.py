@@ -84,7 +84,7 @@ class Worker(WindowWork, ExportGate):
         self.ckpt_root = ex.checkpoint_root(run_dir, rank)
         self.trainer: DrafterTrainer | None = None
         self.consumer: Any = None
-        self.state, self.reason = ("Disabled", "PolicyOff") if settings.policy == "Off" else ("Waiting", "NoRing")
+        self.state, self.reason = ("Disabled", "PolicyOff") if settings.policy == OFF else ("Waiting", "NoRing")
         self.version = 0
         self.artifact = ""
         self.steps_at_ckpt = 0
@@ -122,9 +122,9 @@ class Worker(WindowWork, ExportGate):
             self._set_state(self.state, self.reason)
             if self._disabled():
                 return self._idle()
-            if self.s.policy != "Off":
+            if self.s.policy != OFF:
                 _prewarm()
-            if not self._open_ring() or (self.s.policy != "Off" and not self._setup_trainer()):
+            if not self._open_ring() or (self.s.policy != OFF and not self._setup_trainer()):
                 return self._idle() if self.disabled_by_operator else 0
             while not self.stop.is_set() and not self._disabled():
                 if self.trainer is not None and self._measure_due() and self._measure_now():
@@ -210,7 +210,7 @@ class Worker(WindowWork, ExportGate):
                     self._checkpoint("combined")          # the coordinator exports the last version
             if self.trainer is not None and self.combiner.optimizer_steps > self.steps_at_ckpt:
                 self._checkpoint("shutdown")
-            if (self.export_dir is not None and self.version == 0 and self.s.policy != "Off"
+            if (self.export_dir is not None and self.version == 0 and self.s.policy != OFF
                     and ex.export_high_water(self.export_dir) == 0):
                 # The job ended before anything was exported (a run shorter than the drafter's start):
                 # export what there is, the initial drafter at worst, so every job leaves a drafter
@@ -301,7 +301,7 @@ class Worker(WindowWork, ExportGate):
             self.tracker.clear_open()   # the target is gone: its open windows are not idle time any more
         if self._due("heartbeat", self.s.heartbeat_every_s):
             self._publish()
-        if self.s.policy == "Always" and self._due("flush", 1.0):
+        if self.s.policy == ALWAYS and self._due("flush", 1.0):
             self.metrics.flush_unwindowed()
         self._summary_every(1.0)
         if self.trainer is None:

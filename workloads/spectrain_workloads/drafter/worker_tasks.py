@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from spectrain_api.names import ACTIVE, ALWAYS, IDLE_ONLY, WAITING
 from spectrain_workloads.drafter.combiner import OPTIM_KEY, VERIFY_KEY, micro_key
 from spectrain_workloads.drafter.gating import UNIT_KEY, Budget, Task, pick_task
 from spectrain_workloads.drafter.metrics import NO_WINDOW
@@ -128,7 +129,7 @@ class WindowWork(Intake, Reporting):
         """Run tasks while the gate allows; True if at least one ran."""
         tr = self.trainer
         assert tr is not None
-        if self.s.policy == "IdleOnly" and not self.tracker.open:
+        if self.s.policy == IDLE_ONLY and not self.tracker.open:
             return False
         entered, started, did = time.monotonic_ns(), set(), False
         while not self.stop.is_set() and not self._disabled():
@@ -140,11 +141,11 @@ class WindowWork(Intake, Reporting):
             if task is None and self._drain_data():
                 continue   # the buffer ran dry but fresh data had arrived: plan again with it
             if task is None:
-                if not self.buffer.trainable() and self.state != "Waiting":
+                if not self.buffer.trainable() and self.state != WAITING:
                     self._set_state("Waiting", "NoData")
                 break
             name, key, cost, b = task
-            if wid not in started and self.state != "Active":
+            if wid not in started and self.state != ACTIVE:
                 self._set_state("Active", "")
             started.add(wid)
             loss: float | None = None
@@ -171,7 +172,7 @@ class WindowWork(Intake, Reporting):
             kind = budget.window.kind if budget.window else "None"
             self.metrics.task(wid, kind, name, t0, t1, samples=b, loss=loss)
             did = True
-            if self.s.policy == "Always" and t1 - entered > ALWAYS_SLICE_NS:
+            if self.s.policy == ALWAYS and t1 - entered > ALWAYS_SLICE_NS:
                 break
             self._drain_data(limit=4)
         return did

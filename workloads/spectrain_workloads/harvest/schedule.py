@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 
 from spectrain_api.errors import ConfigError
-from spectrain_api.names import INTERLEAVED, INTERLEAVED_CHUNKS, SCHEDULES
+from spectrain_api.names import GPIPE, INTERLEAVED, INTERLEAVED_CHUNKS, ONE_F_ONE_B, SCHEDULES
 
 _STRUCT_TF, _STRUCT_TB = 1.0, 2.0
 # Interleaved1F1B idles at different positions for different tb/tf (GPipe and 1F1B do not): its slots
@@ -62,9 +62,9 @@ class Action:
 
 def compute_order(name: str, p: int, m: int, stage: int, chunks: int = 1) -> list[Action]:
     """F/B order of one stage (no bubbles); `chunks`: model chunks per rank (Interleaved1F1B only)."""
-    if name == "GPipe":
+    if name == GPIPE:
         return [Action(Op.F, i) for i in range(m)] + [Action(Op.B, i) for i in range(m)]
-    if name == "1F1B":
+    if name == ONE_F_ONE_B:
         warm = min(p - stage - 1, m)
         out = [Action(Op.F, i) for i in range(warm)]
         for i in range(m - warm):

@@ -13,6 +13,12 @@ trainer's pipeline executor, the ring publisher and the rollout engine drive it 
       pos: None when training (positions 0..T-1, causal); [T] or [B, T] absolute positions when
       decoding with `setup_caches`, with `mask` [1 or B, 1, T, max_T] (model.causal_decode_mask).
 
+    forward(..., return_hidden=True, features=(i, j, k)) also returns the residual stream *before*
+    global layers i, j, k (transformers' hidden_states[i]), concatenated in that order [B, T, 3H]:
+    (logits, hidden, features). The rollout engine asks for it when it drives an EAGLE-3 drafter
+    (specdec.eagle3): the states are the layer loop's own inputs, kept by reference, so the cost is
+    one concatenation; without `features` nothing is kept.
+
 Precision: fp32 weights (the optimizer's master copy); on CUDA the forward runs under bf16 autocast
 (`amp`), so the matmuls are bf16 while the residual stream, the norms and the loss stay fp32 (the
 activations sent between stages are fp32 either way); on the CPU everything is fp32.
@@ -24,6 +30,7 @@ summing their gradients (target.trainer).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -132,18 +139,39 @@ class HFStage(nn.Module):
     def clear_caches(self) -> None:
         self.cache = None
 
+    captures_features = True   # forward(..., features=...) works (the engine checks before an EAGLE-3 drafter)
+
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                return_hidden: bool = False) -> Any:
+                return_hidden: bool = False, features: Sequence[int] | None = None) -> Any:
+        want = self._feature_ids(features)
+        kept: dict[int, torch.Tensor] = {}
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.amp and x.is_cuda):
             h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x   # [B, T, H]
             cache = self.cache if pos is not None else None
             if cache is not None:
                 cache.pos = pos
             cos_sin = self.rope(h, rotary_positions(pos, h.size(1), h.device))  # ([B|1, T, d],) * 2
-            for layer in self.model.layers.values():
+            for i, layer in self.model.layers.items():
+                if int(i) in want:
+                    kept[int(i)] = h                 # [B, T, H], the input of layer i (a reference, no copy)
                 h = layer(h, attention_mask=mask, position_embeddings=cos_sin, past_key_values=cache)
             if self.model.norm is None or self.lm_head is None:
                 return h
             hidden = self.model.norm(h)
             logits = self.lm_head(hidden)
+        if features is not None:
+            return logits, hidden, torch.cat([kept[i] for i in want], dim=-1)   # [B, T, len(want) * H]
         return (logits, hidden) if return_hidden else logits
+
+    def _feature_ids(self, features: Sequence[int] | None) -> tuple[int, ...]:
+        """The requested feature layers, each one this (last) stage runs; () for none."""
+        if features is None:
+            return ()
+        ids = tuple(int(i) for i in features)
+        missing = [i for i in ids if i not in self.layer_ids]
+        if missing or self.lm_head is None:
+            raise ConfigError(f"EAGLE-3 feature layers {list(ids)}: this stage runs layers "
+                              f"{self.layer_ids[0]}..{self.layer_ids[-1]} and "
+                              f"{'has' if self.lm_head is not None else 'lacks'} the LM head; decoding needs "
+                              "one stage holding every feature layer and the head")
+        return ids

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from spectrain_api.errors import ConfigError
+from spectrain_api.names import INTERLEAVED
 from spectrain_workloads.harvest.schedule import Action, Op, ScaledTimeline, Schedule
 from spectrain_workloads.hooks import torch_internals as ti
 from spectrain_workloads.hooks.errors import HookError
@@ -76,7 +77,7 @@ def slot_plan(schedule: Any, rank: int) -> SlotPlan:
                         f"it supports torch.distributed.pipelining {', '.join(_NAMES)} (mark other schedules' "
                         "waits with pub.idle('Bubble'))")
     n_virtual, m = ti.schedule_shape(schedule)
-    if kind != "Interleaved1F1B":
+    if kind != INTERLEAVED:
         try:
             s = Schedule(name=kind, n_stages=n_virtual, microbatches=m)
         except ConfigError as exc:

@@ -18,7 +18,7 @@ from torch import nn
 
 from spectrain_api.config import OptimizerSpec
 from spectrain_api.errors import ConfigError
-from spectrain_api.names import BASIS_GEOMETRIES, BASIS_SOURCES, OPTIMIZERS
+from spectrain_api.names import ADAMW, BASIS_GEOMETRIES, BASIS_ROTATION, BASIS_SOURCES, OPTIMIZERS
 from spectrain_workloads.optim.basis_rotation import BasisRotation
 from spectrain_workloads.optim.pipedream_lr import PipeDreamLR, staleness_lr_factor
 
@@ -89,7 +89,7 @@ def _validate(spec: OptimizerSpec, stage: int, n_stages: int) -> None:
     if n_stages < 1 or not 0 <= stage < n_stages:
         raise ConfigError(f"stage {stage} is not in [0, n_stages={n_stages}); check target.parallelism.pipeline")
     br = spec.basis_rotation
-    if spec.name == "BasisRotation":
+    if spec.name == BASIS_ROTATION:
         base = "spec.target.optimizer.basisRotation"
         if not isinstance(br.refresh_every, int) or br.refresh_every < 1:
             raise ConfigError(f"{base}.refreshEvery must be an integer >= 1, got {br.refresh_every!r}")
@@ -116,7 +116,7 @@ def build_optimizer(
     """
     _validate(spec, stage, n_stages)
     groups = param_groups(params_or_model, weight_decay=weight_decay)
-    if spec.name == "AdamW":
+    if spec.name == ADAMW:
         for g in groups:
             g.pop("rotate")
         return torch.optim.AdamW(groups, lr=spec.lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)

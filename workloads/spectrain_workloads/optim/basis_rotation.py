@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from spectrain_api.errors import ConfigError
-from spectrain_api.names import BASIS_GEOMETRIES, BASIS_SOURCES
+from spectrain_api.names import BASIS_GEOMETRIES, BASIS_SOURCES, SECOND_MOMENT, UNILATERAL
 
 
 def _check(field: str, ok: bool, msg: str) -> None:
@@ -86,7 +86,7 @@ class BasisRotation(torch.optim.Optimizer):
         if not group["rotate"] or p.dim() != 2:
             return False, False
         m, n = p.shape
-        if group["geometry"] == "Unilateral":
+        if group["geometry"] == UNILATERAL:
             left, right = m <= n, n < m
         else:
             left, right = True, True
@@ -176,7 +176,7 @@ class BasisRotation(torch.optim.Optimizer):
                 m.lerp_(g, 1 - b1)                                         # M: ordinary basis
                 rotated = "basis_left" in st or "basis_right" in st
                 if rotated:
-                    x = (g if group["source"] == "SecondMoment" else m).float()
+                    x = (g if group["source"] == SECOND_MOMENT else m).float()
                     if "stat_left" in st:
                         st["stat_left"].lerp_(x @ x.T, 1 - group["basis_beta"])   # L [m, m]
                     if "stat_right" in st:

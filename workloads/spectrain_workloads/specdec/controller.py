@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from spectrain_api.names import FIXED
+
 ARMS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)   # draft lengths the controller prices (plus max_draft itself)
 
 
@@ -248,7 +250,7 @@ class DraftController:
         self._explore_step = False
         if not can_draft or n_active > self.batch_threshold:
             return 0
-        if self.strategy == "Fixed":
+        if self.strategy == FIXED:
             return self.max_draft
         if (bucket, 0) not in self.step_s:
             return 0                                          # measure plain first

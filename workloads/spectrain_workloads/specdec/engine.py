@@ -14,10 +14,12 @@ Drafter sync is lazy (which token a drafter cache entry holds: `adapters`): the 
 tokens in steady state; the tokens decoded plainly since the drafter was last used after switching
 on), so turning speculation on mid-rollout never recomputes a prefix. The Eagle drafter reads the
 target's hidden states from `hid`, which every target forward fills anyway (and which the RL loop
-publishes for drafter training, so no extra prefill anywhere). Compaction moves the drafter's cache
-rows lazily too (`_dperm`: slot -> the drafter cache row holding that slot's entries, applied at the
-next catch-up), so a step with k = 0 is plain decoding's step: no drafter forward, no drafter cache
-work.
+publishes for drafter training, so no extra prefill anywhere). An EAGLE-3 drafter (adapter
+`feature_layers` set) reads `feat` instead: the residual stream before its three feature layers,
+[B, cache_len, 3H], which the same target forwards return (`features=`, hf.stage) and which exists
+only while such a drafter is set. Compaction moves the drafter's cache rows lazily too (`_dperm`:
+slot -> the drafter cache row holding that slot's entries, applied at the next catch-up), so a step
+with k = 0 is plain decoding's step: no drafter forward, no drafter cache work.
 
 Adaptive: `controller.DraftController` picks k in 0..K per step, keyed by the physical batch bucket,
 from a cost model measured on this engine (`_calibrate` prices a bucket once before it may speculate;
@@ -34,10 +36,12 @@ import torch
 from torch import nn
 
 from spectrain_api.errors import ConfigError
+from spectrain_api.names import BANDIT
 from spectrain_workloads.model import KVCache, Transformer, causal_decode_mask
 from spectrain_workloads.specdec.adapters import DraftAdapter, as_drafter
 from spectrain_workloads.specdec.config import RolloutConfig, RolloutResult, RolloutStats
 from spectrain_workloads.specdec.controller import DraftController
+from spectrain_workloads.specdec.cuda_graphs import CudaGraphs
 from spectrain_workloads.specdec.sampling import AcceptRule, pick, rejection_rule, speculative_step, to_probs
 
 NEW_VERSION_TRIALS = 8.0    # weight (in trials) of the old acceptance estimate when a drafter's newer version arrives
@@ -45,37 +49,6 @@ NEW_VERSION_TRIALS = 8.0    # weight (in trials) of the old acceptance estimate 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-
-
-class _CudaGraphs:
-    """Decode-step forwards captured per (kind, bucket, T) on CUDA; every graph shares one memory pool.
-
-    Outputs are cloned right after replay, so graphs may replay in any order."""
-
-    def __init__(self) -> None:
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]] = {}
-
-    def run(self, key: Any, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
-        if key not in self.graphs:
-            static = [x.clone() for x in inputs]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):   # warm-up (same inputs: rewrites identical cache entries)
-                fn(*static)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = fn(*static)
-            self.graphs[key] = (graph, static, out)
-        graph, static, out = self.graphs[key]
-        for dst, src in zip(static, inputs, strict=False):
-            dst.copy_(src)
-        graph.replay()
-        return tuple(o.clone() if o is not None else None for o in out)
-
-    def drop(self, kind: str) -> None:
-        self.graphs = {k: v for k, v in self.graphs.items() if k[0] != kind}
 
 
 class RolloutEngine:
@@ -92,7 +65,7 @@ class RolloutEngine:
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.controller = DraftController(max_draft=cfg.max_draft_tokens, batch_threshold=cfg.batch_threshold,
                                           strategy=cfg.strategy)
-        self.graphs = _CudaGraphs() if cfg.cuda_graphs and self.device.type == "cuda" else None
+        self.graphs = CudaGraphs() if cfg.cuda_graphs and self.device.type == "cuda" else None
         # The controller's clock. On one CPU thread an engine's cost is its CPU time: wall time on a shared
         # machine adds the waits for a core, which hit plain and speculative steps alike and only add
         # noise. Otherwise (CUDA, several threads) wall time, after a synchronize.
@@ -103,6 +76,7 @@ class RolloutEngine:
         self._kv: list[KVCache] = []
         self._n_dkv = 0                                  # how many of _kv are the drafter's (the last ones)
         self._dperm: torch.Tensor | None = None          # [nb] slot -> drafter cache row, while compaction is pending
+        self._features: tuple[int, ...] | None = None    # the EAGLE-3 drafter's feature layers (None: no `feat`)
         self.set_drafter(drafter, drafter_arch)
 
     def set_drafter(self, drafter: nn.Module | DraftAdapter | None, arch: str | None = None, *,
@@ -111,6 +85,11 @@ class RolloutEngine:
         carries over with little weight); else acceptance statistics start over from the prior."""
         had = self.drafter is not None
         self.drafter = as_drafter(drafter, arch) if drafter is not None else None
+        self._features = self.drafter.feature_layers if self.drafter is not None else None
+        if self._features and not getattr(self.target, "captures_features", False):
+            raise ConfigError(f"an EAGLE-3 drafter reads the target's residual stream before layers "
+                              f"{list(self._features)}; a {type(self.target).__name__} target cannot return it "
+                              "(Hugging Face targets, hf.stage.HFStage, can)")
         carry = new_version and had
         self.controller.reset_acceptance(carry_trials=NEW_VERSION_TRIALS if carry else 0.0)
         if not carry:        # another drafter: its forward costs are unknown (a new version has the same shape)
@@ -142,18 +121,21 @@ class RolloutEngine:
                 self.drafter.setup_caches(batch, cache_len)
             self._alloc = (batch, cache_len)
             if self.graphs is not None:
-                self.graphs = _CudaGraphs()
+                self.graphs = CudaGraphs()
             self._kv = self._modules_kv()
             self._kv_base: list[tuple[torch.Tensor, torch.Tensor]] = [(kv.k, kv.v) for kv in self._kv]  # type: ignore[misc]
             H, dt = self.target.cfg.dim, next(self.target.parameters()).dtype
             self._tok_base = torch.zeros(batch, cache_len, dtype=torch.long, device=self.device)
             self._hid_base = torch.zeros(batch, cache_len, H, dtype=dt, device=self.device)
+            self._feat_base = (torch.zeros(batch, cache_len, len(self._features) * H, dtype=dt, device=self.device)
+                               if self._features else None)
         self._view(batch)
 
     def _view(self, nb: int) -> None:
         for kv, (k, v) in zip(self._kv, self._kv_base, strict=False):
             kv.k, kv.v = k[:nb], v[:nb]
         self.tok, self.hid = self._tok_base[:nb], self._hid_base[:nb]
+        self.feat = self._feat_base[:nb] if self._feat_base is not None else None
         self.nb = nb
 
     def _compact(self, keep: torch.Tensor) -> None:
@@ -167,6 +149,8 @@ class RolloutEngine:
             self._dperm = keep if self._dperm is None else self._dperm[keep]
         self._tok_base[:m] = self._tok_base[keep]
         self._hid_base[:m] = self._hid_base[keep]
+        if self._feat_base is not None:
+            self._feat_base[:m] = self._feat_base[keep]
         for name in ("length", "dlen", "limit", "active", "row"):
             setattr(self, name, getattr(self, name)[keep])
         self._view(m)
@@ -192,13 +176,19 @@ class RolloutEngine:
             self.controller.record_forward(kind, shape[0], shape[1], self.clock() - t0)
         return out
 
-    def _target_fwd(self, tokens: torch.Tensor, pos: torch.Tensor, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        def fn(tokens: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.target(tokens, pos, causal_decode_mask(pos, self.cache_len), return_hidden=True)
+    def _target_fwd(self, tokens: torch.Tensor, pos: torch.Tensor, record: bool = True) -> tuple[torch.Tensor, ...]:
+        fn = self._target_call
         graphs = self.graphs
         if graphs is not None:
             return self._timed("target", tokens.shape, lambda: graphs.run(("t", *tokens.shape), fn, tokens, pos), record)
         return self._timed("target", tokens.shape, lambda: fn(tokens, pos), record)
+
+    def _target_call(self, tokens: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """-> (logits [B, T, V], final-norm hidden [B, T, H]) and, for an EAGLE-3 drafter, features [B, T, 3H]."""
+        extra = {"features": self._features} if self._features else {}
+        out: tuple[torch.Tensor, ...] = self.target(tokens, pos, causal_decode_mask(pos, self.cache_len),
+                                                    return_hidden=True, **extra)
+        return out
 
     def _draft_fwd(self, tokens: torch.Tensor, hidden: torch.Tensor | None, pos: torch.Tensor,
                    graph: bool, record: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -225,7 +215,8 @@ class RolloutEngine:
             for record in (False, True):
                 self._target_fwd(tok, pos, record)
         tok, pos = torch.zeros(nb, 1, dtype=torch.long, device=dev), torch.full((nb, 1), self.trash, device=dev)
-        hidden = self._hid_base[:nb, :1] if self.drafter.needs_hidden else None      # [nb, 1, H]: any values
+        src = self._feat_base if self._feat_base is not None else self._hid_base
+        hidden = src[:nb, :1] if self.drafter.needs_hidden else None      # [nb, 1, H or 3H]: any values
         for record in (False, True):
             self._draft_fwd(tok, hidden, pos, graph=True, record=record)
         self.controller.calibrated.add(nb)
@@ -234,9 +225,15 @@ class RolloutEngine:
         """tokens [nb, T] at positions len-1 .. len-2+T; stores their hidden states; -> logits [nb, T, V]."""
         ar = torch.arange(tokens.size(1), device=self.device)
         pos = torch.where(self.active[:, None], self.length[:, None] - 1 + ar, self.trash)   # [nb, T]
-        logits, hidden = self._target_fwd(tokens, pos)
-        self.hid[self.rows[:, None], pos.clamp(max=self.trash - 1)] = hidden
+        logits, *states = self._target_fwd(tokens, pos)
+        self._store(pos.clamp(max=self.trash - 1), *states)
         return logits
+
+    def _store(self, slots: torch.Tensor, hidden: torch.Tensor, feats: torch.Tensor | None = None) -> None:
+        """Keep a target forward's hidden states (and features) at `slots` [nb, T] of each row."""
+        self.hid[self.rows[:, None], slots] = hidden
+        if feats is not None and self.feat is not None:
+            self.feat[self.rows[:, None], slots] = feats
 
     def _draft_next_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """draft_next for sampling.speculative_step; its first call catches the drafter up lazily."""
@@ -254,7 +251,8 @@ class RolloutEngine:
                 pos = torch.where(real, j - d.offset, self.trash)
                 jj = j.clamp(max=self.trash - 1)
                 toks = self.tok[self.rows[:, None], jj]                                          # [nb, C]
-                hidden = self.hid[self.rows[:, None], (jj - 1).clamp(min=0)] if d.needs_hidden else None
+                src = self.feat if self.feat is not None else self.hid                           # [nb, L, H or 3H]
+                hidden = src[self.rows[:, None], (jj - 1).clamp(min=0)] if d.needs_hidden else None
                 t0 = self.clock()
                 logits, h = self._draft_fwd(toks, hidden, pos, graph=C == 1)
                 state["catchup_s"] = self.clock() - t0
@@ -303,8 +301,8 @@ class RolloutEngine:
         if W > 0:
             ar = torch.arange(W, device=dev)
             pos = torch.where(ar < self.length[:, None] - 1, ar, self.trash)                  # [B, W]
-            _, hidden = self.target(self.tok[:, :W], pos, causal_decode_mask(pos, self.cache_len), return_hidden=True)
-            self.hid[:, :W] = hidden
+            _, *states = self._target_call(self.tok[:, :W], pos)       # no graph: a one-off shape
+            self._store(ar.expand(B, W), *states)
 
         st = result.stats
 
@@ -324,7 +322,7 @@ class RolloutEngine:
             # (every active row commits a token per step), so checked on the prompts only.
             can = (spec and self.drafter is not None and n_active <= cfg.batch_threshold
                    and (st.decode_steps > 0 or min(lens) > self.drafter.offset))
-            if can and cfg.strategy == "Bandit" and self.nb not in self.controller.calibrated:
+            if can and cfg.strategy == BANDIT and self.nb not in self.controller.calibrated:
                 self._calibrate()
             k = self.controller.choose(self.nb, n_active, can, horizon_fn)
             t0 = self.clock()
