@@ -51,6 +51,7 @@ import torch
 import yaml
 
 from bench.common import median, parse_args, print_table, write_results
+from spectrain_api import rundir
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("combined", "single", "off")
@@ -87,7 +88,7 @@ def run(variant: str, steps: int, root: Path) -> dict[str, Any]:
     steps_s = [json.loads(line)["step_time_s"] for line in (data / "metrics" / "target-rank-0.jsonl").open()][2:]
     out: dict[str, Any] = {"variant": variant, "wall_s": wall, "step_s": median(steps_s), "data": data}
     if variant != "off":
-        out["summaries"] = [json.loads((data / f"drafter-summary-rank-{r}.json").read_text()) for r in range(4)]
+        out["summaries"] = [json.loads(rundir.drafter_summary(data, r).read_text()) for r in range(4)]
         out["acceptance"], out["alpha_t1"] = acceptance(data)
     return out
 

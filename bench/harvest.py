@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from bench.common import median, parse_args, print_table, write_results
+from spectrain_api import rundir
 from spectrain_workloads.drafter.combiner import Sample
 from spectrain_workloads.drafter.export import load_drafter
 from spectrain_workloads.drafter.models import TargetShared, config_digest
@@ -114,7 +115,7 @@ def _drafter(root: Path) -> subprocess.Popen[bytes]:
 
 
 def _events(root: Path) -> list[dict[str, Any]]:
-    p = root / "run" / "metrics" / "drafter-rank-0.jsonl"
+    p = rundir.drafter_metrics(root / "run", 0)
     out = []
     for line in p.read_text().splitlines() if p.exists() else []:
         try:
@@ -126,7 +127,7 @@ def _events(root: Path) -> list[dict[str, Any]]:
 
 def _summary(root: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((root / "run" / "drafter-summary-rank-0.json").read_text())  # type: ignore[no-any-return]
+        return json.loads(rundir.drafter_summary(root / "run", 0).read_text())  # type: ignore[no-any-return]
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
@@ -202,7 +203,7 @@ def main() -> None:
         if proc.poll() is None:
             proc.kill()
         target.close()
-    summary = json.loads((root / "run" / "drafter-summary-rank-0.json").read_text())
+    summary = json.loads(rundir.drafter_summary(root / "run", 0).read_text())
     trained = [float(v) for k, v in summary["costsMs"].items() if k.startswith("train/")]
     tokens = text_sequences(16, SEQ, seed=1234)
     hidden = target_hidden(target.model, tokens)

@@ -40,6 +40,7 @@ import yaml
 
 from bench.common import block_bootstrap_interval, median, parse_args, print_table, write_results
 from bench.target import WARMUP, _errors, _interleaved_ratio, _periods
+from spectrain_api import rundir
 from spectrain_workloads.harvest.schedule import Schedule
 from tests.launch import free_port
 
@@ -138,7 +139,7 @@ def main() -> None:
         ws = [w for r in range(2) for w in _bubbles(sr, r) if w["step"] >= WARMUP]
         res["pred_error_median_bubble_with_drafter"] = median(_errors(ws, "Bubble"))
         res["drafter_harvested_s"] = sum(json.loads(p.read_text())["harvestedSeconds"]
-                                         for p in sr.glob("drafter-summary-rank-*.json"))
+                                         for _, p in rundir.drafter_summaries(sr))
         res["load_average_1m"] = os.getloadavg()[0]
     write_results("hooks", res, args.quick)
     print_table("bench-hooks" + (" (quick)" if args.quick else ""), res)

@@ -33,6 +33,7 @@ import yaml
 from bench.combine import grads, new_drafter, step, trainable
 from bench.common import print_table, write_results
 from bench.fleet import acceptance, final_target, heldout
+from spectrain_api import rundir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,9 +52,9 @@ def run_demo(root: Path, drafter_lr: float | None) -> tuple[Path, int]:
 
 
 def in_run_acceptance(data: Path) -> list[float]:
-    """The exporting drafter's acceptance measurements in order (drafter-rank-<last>.jsonl)."""
-    logs = sorted((data / "metrics").glob("drafter-rank-*.jsonl"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-    return [float(e["acceptance_length"]) for e in map(json.loads, logs[-1].open()) if e.get("event") == "acceptance"]
+    """The exporting drafter's acceptance measurements in order (drafter/metrics-rank-<last>.jsonl)."""
+    _, log = rundir.drafter_metrics_files(data)[-1]
+    return [float(e["acceptance_length"]) for e in map(json.loads, log.open()) if e.get("event") == "acceptance"]
 
 
 def ceiling(target: Any, samples: int) -> tuple[float, list[float]]:

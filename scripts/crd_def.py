@@ -16,6 +16,7 @@ from typing import Any, get_type_hints
 
 from spectrain_api import config as W
 from spectrain_api import names as C
+from spectrain_api import rundir
 from spectrain_api.names import GROUP, KIND, PLURAL, VERSION
 from spectrain_api.volumes import HUB_ID_HINT
 
@@ -321,7 +322,10 @@ def spec_schema() -> dict[str, Any]:
         }, default={}),
         "export": o("Where the deployable drafter artifact goes.", {
             "claimName": s("PVC for the artifact; empty: the checkpoint volume.", maxLength=253),
-            "path": s("Relative path inside the volume; no '..', not absolute.", default="drafter",
+            "path": s("Relative path inside the volume; no '..', not absolute. On the run volume (no "
+                      "claimName) a directory of the drafter's own, which it mounts read-write (the rest "
+                      f"of that volume it mounts read-only): not '.' nor {', '.join(rundir.TARGET_ENTRIES)}.",
+                      default=rundir.DRAFTER_DIR,
                       minLength=1, maxLength=253, pattern=REL_PATH_PATTERN,
                       **{"x-kubernetes-validations": [
                           rule("!self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')",

@@ -26,6 +26,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from spectrain_api import rundir
 from spectrain_workloads.drafter.gating import MS, UNIT_KEY, CostModel, Gate, WindowTracker
 from spectrain_workloads.ring import WindowEvent, WindowKind
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     if not path.is_file():
         ap.error(f"{path} does not exist: RUN is the --run-dir of a `spectrain run` (RANK one of its ranks)")
     windows = _read(path)
-    task_ms = a.task_ms or mean_task_ms(_read(data / "metrics" / f"drafter-rank-{a.rank}.jsonl"), a.kind)
+    task_ms = a.task_ms or mean_task_ms(_read(rundir.drafter_metrics(data, a.rank)), a.kind)
     if task_ms is None:
         raise SystemExit(f"rank {a.rank}'s drafter ran no task in {a.kind} windows: pass --task-ms")
     print(f"rank {a.rank}, {a.kind} windows, task {task_ms:.2f} ms (x U(0.7, 1.4))")

@@ -18,6 +18,7 @@ from typing import Any, TypeVar, get_type_hints
 
 from spectrain_api.errors import ConfigError
 from spectrain_api.names import BYTE_VOCAB_SIZE, DEFAULT_PRESET, ENV_CONFIG, TARGET_PRESETS, WINDOW_KINDS
+from spectrain_api.rundir import DRAFTER_DIR
 
 
 @dataclass(kw_only=True)
@@ -117,7 +118,7 @@ class DrafterOptimizerSpec:
 @dataclass(kw_only=True)
 class ExportSpec:
     claim_name: str = ""
-    path: str = "drafter"
+    path: str = DRAFTER_DIR            # under the run volume's drafter/: no mount of its own (rundir)
 
 
 @dataclass(kw_only=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spectrain_api import volumes
+from spectrain_api import rundir, volumes
 from spectrain_api.config import JobConfig, preset_model_config
 from spectrain_api.errors import ConfigError
 from spectrain_api.names import (
@@ -61,6 +61,7 @@ def check_spec(cfg: JobConfig) -> list[str]:
     out += _one_of("spec.drafter.exchange.engine", d.exchange.engine, EXCHANGE_ENGINES)
     if not d.exchange.combine_every_seconds >= 1:
         out.append(f"spec.drafter.exchange.combineEverySeconds: must be >= 1, got {d.exchange.combine_every_seconds}")
+    out += rundir.export_path_errors(d.export.claim_name, d.export.path)
     out += _data_source_errors(t.data.source)
     if par.data < 1 or par.pipeline < 1 or par.microbatches < 1:
         return out + [f"spec.target.parallelism: data ({par.data}), pipeline ({par.pipeline}) and microbatches "

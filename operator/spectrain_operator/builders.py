@@ -17,6 +17,7 @@ import copy
 import json
 from typing import Any
 
+from spectrain_api import rundir
 from spectrain_api.names import (
     ANNOTATION_DRAFTER_DISABLED,
     API_VERSION,
@@ -226,11 +227,25 @@ def _drafter_resources(job: Obj) -> Obj:
     return res
 
 
-def _mounts(job: Obj, *, data: bool) -> list[Obj]:
+def _run_mounts(job: Obj, *, drafter: bool) -> list[Obj]:
+    """The `run` volume: read-write for the target; for the drafter read-only, plus read-write its
+    own directory (rundir.DRAFTER_DIR) and an export path of its own elsewhere on the volume, each a
+    subPath mounted where it lies in the volume (the kubelet creates the subPath directory, so the
+    mount point exists inside the read-only mount). SingleContainer mode keeps the target's mount
+    (gpu_sharing: one container, one view of the volume)."""
+    if not drafter:
+        return [{"name": "run", "mountPath": RUN_DIR}]
+    export = job["spec"]["drafter"]["export"]
+    own = [rundir.DRAFTER_DIR, rundir.export_subpath(export.get("claimName", ""), export["path"])]
+    return [{"name": "run", "mountPath": RUN_DIR, "readOnly": True}] + [
+        {"name": "run", "mountPath": f"{RUN_DIR}/{sub}", "subPath": sub} for sub in own if sub]
+
+
+def _mounts(job: Obj, *, data: bool, drafter: bool = False) -> list[Obj]:
     mounts: list[Obj] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "ring", "mountPath": RING_DIR},
-        {"name": "run", "mountPath": RUN_DIR},
+        *_run_mounts(job, drafter=drafter),
     ]
     if job["spec"]["drafter"]["export"].get("claimName", ""):
         mounts.append({"name": "export", "mountPath": EXPORT_DIR})
@@ -295,7 +310,7 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
             "ports": [{"name": port_name("drafter", i), "containerPort": DRAFTER_PORT + i, "protocol": "TCP"}
                       for i in range(int(t["procsPerNode"]))]
             + metrics_container_ports(job, DRAFTER_METRICS_PORT_NAME, DRAFTER_METRICS_PORT),
-            "volumeMounts": _mounts(job, data=False) + [
+            "volumeMounts": _mounts(job, data=False, drafter=True) + [
                 {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True},
                 {"name": "fleet-key", "mountPath": FLEET_KEY_DIR, "readOnly": True}],
             "resources": _drafter_resources(job),

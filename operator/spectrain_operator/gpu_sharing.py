@@ -24,7 +24,8 @@ Modes (docs/gpu-sharing.md says which to pick):
 - ``SingleContainer``: the drafter sidecar is folded into the ``target`` container, whose command
   becomes ``spectrain-supervisor`` (spectrain_workloads.supervisor): it starts the MPS daemon, the
   drafter (restarted on its own failures, up to drafter.maxFailures) and the target, and exits
-  with the target's exit code.
+  with the target's exit code. The one container keeps the target's read-write ``run`` mount: the
+  drafter's read-only view of the run volume (all but its own directory) needs a container of its own.
 - ``None``: the pod is returned unchanged (CPU, tests, the local backend).
 
 In every GPU mode the drafter gets ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and
@@ -307,6 +308,17 @@ def _sum_resources(target: dict, drafter: dict) -> None:
             t_res.pop(kind)
 
 
+def _covers(t: dict, m: dict) -> bool:
+    """Whether the target's mount `t` already shows what the drafter's mount `m` shows at its path:
+    the same mountPath, or `m` a subPath of the volume `t` mounts whole, where `t` shows it. So the
+    one container keeps the target's read-write `run` volume and none of the drafter's read-only
+    view of it (builders._run_mounts): target and drafter cannot be split inside one container."""
+    if t.get("mountPath") == m.get("mountPath"):
+        return True
+    return (t.get("name") == m.get("name") and not t.get("subPath") and bool(m.get("subPath"))
+            and m.get("mountPath") == f"{t['mountPath'].rstrip('/')}/{m['subPath']}")
+
+
 def _apply_single(pod: dict, job: dict) -> list[dict]:
     target, drafter = _containers(pod)
     _mps_volumes(pod)
@@ -329,7 +341,7 @@ def _apply_single(pod: dict, job: dict) -> list[dict]:
                     f"drafter env {e['name']}: a valueFrom differing from the target's cannot be carried "
                     "into one container in SingleContainer mode; give it a plain value or use mode DRA")
         for m in drafter.get("volumeMounts", []):
-            if not any(t.get("mountPath") == m.get("mountPath") for t in target.get("volumeMounts", [])):
+            if not any(_covers(t, m) for t in target.get("volumeMounts", [])):
                 target.setdefault("volumeMounts", []).append(copy.deepcopy(m))
         _sum_resources(target, drafter)
         # The drafter's processes now listen in this container: declare their ports here (the

@@ -4,8 +4,10 @@
 layout), and gives each pod's containers the same env, command and volumes: memory-backed
 emptyDirs become directories on a tmpfs (/dev/shm), other volumes directories under the run dir,
 the ConfigMap becomes files, the rendezvous and the drafters' ports go to loopback (free ports, a
-block per pod). The drafters' fleet key is one per run dir (`fleet/key`, mode 0600, kept for
-`--resume`), and so is the job's identity (`fleet/job-uid`, a uuid4: the pods' ENV_JOB_UID).
+block per pod). A subPath mount is its directory inside the volume's; `readOnly` is not enforced
+(no mount namespaces: the drafter's read-only view of the run volume exists only in a cluster).
+The drafters' fleet key is one per run dir (`fleet/key`, mode 0600, kept for `--resume`), and so
+is the job's identity (`fleet/job-uid`, a uuid4: the pods' ENV_JOB_UID).
 `local.execute` runs what it plans.
 
 Torch-free.
@@ -222,6 +224,18 @@ def _volume_dirs(pod: dict[str, Any], configmaps: dict[str, dict[str, Any]], run
     return dirs
 
 
+def _mount_dir(volume_dir: Path, mount: dict[str, Any]) -> Path:
+    """The host directory behind a mount: its volume's, or a subPath's directory inside it (made,
+    as the kubelet makes it). `readOnly` is not enforced: the processes share the host's mount
+    namespace, so a local drafter could still write the whole run volume (docs/contracts.md)."""
+    sub = mount.get("subPath")
+    if not sub:
+        return volume_dir
+    d = volume_dir / sub
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
 def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Path], master_port: int,
                    overrides: dict[str, str], pod_ports: dict[str, int], peer_ports: list[int],
                    store_port: int = 0) -> dict[str, str]:
@@ -292,7 +306,8 @@ def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None
         entries = [(c, c.get("restartPolicy") == "Always") for c in pspec.get("initContainers", [])]
         entries += [(c, False) for c in pspec["containers"]]
         for c, sidecar in entries:
-            mounts = {m["mountPath"]: vols[m["name"]] for m in c.get("volumeMounts", []) if m["name"] in vols}
+            mounts = {m["mountPath"]: _mount_dir(vols[m["name"]], m) for m in c.get("volumeMounts", [])
+                      if m["name"] in vols}
             argv = _resolve_command([*c.get("command", []), *c.get("args", [])])
             if not argv:
                 raise SystemExit(f"pod {pod['metadata']['name']} container {c['name']} has no command: "

@@ -1,8 +1,8 @@
 """Live progress of a local run: one line per rank (step, loss, tokens/s, drafter state).
 
 Reads only what the workloads already write to the run directory (metrics/target-rank-<r>.jsonl,
-drafter-summary-rank-<r>.json, progress.json), following each JSON-lines file by offset so a
-refresh costs a few small reads.
+drafter/summary-rank-<r>.json (spectrain_api.rundir), progress.json), following each JSON-lines
+file by offset so a refresh costs a few small reads.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from spectrain_api import rundir
 
 
 class JsonlTail:
@@ -85,7 +87,7 @@ class ProgressView:
             frac = step / total if total else 0.0
             loss = rec.get("loss")
             tps = rec.get("tokens_per_s")
-            d = _read_json(self.run_dir / f"drafter-summary-rank-{r}.json") or {}
+            d = _read_json(rundir.drafter_summary(self.run_dir, r)) or {}
             drafter = d.get("state", "-")
             if d.get("acceptanceLength") is not None:
                 drafter += f" acc {d['acceptanceLength']:.2f}"

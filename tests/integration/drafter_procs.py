@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from spectrain_api import rundir
 from spectrain_workloads.drafter.synthetic import SyntheticSpec, SyntheticTarget
 from spectrain_workloads.model import ModelConfig, model_config
 
@@ -62,7 +63,7 @@ class Pod:
         self.proc = None
 
     def events(self, rank: int = 0) -> list[dict[str, Any]]:
-        return read_jsonl(self.run_dir / "metrics" / f"drafter-rank-{rank}.jsonl")
+        return read_jsonl(rundir.drafter_metrics(self.run_dir, rank))
 
     def of(self, event: str) -> list[dict[str, Any]]:
         return self.of_rank(event, 0)
@@ -71,7 +72,7 @@ class Pod:
         return [e for e in self.events(rank) if e["event"] == event]
 
     def summary(self, rank: int = 0) -> dict[str, Any]:
-        return json.loads((self.run_dir / f"drafter-summary-rank-{rank}.json").read_text())
+        return json.loads(rundir.drafter_summary(self.run_dir, rank).read_text())
 
     def windows(self, rank: int = 0) -> dict[int, dict[str, Any]]:
         return {w["window_id"]: w for w in read_jsonl(self.run_dir / "metrics" / f"windows-rank-{rank}.jsonl")}

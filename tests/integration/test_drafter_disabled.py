@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from spectrain_api import rundir
 from spectrain_api.names import ANNOTATION_DRAFTER_DISABLED, ENV_DRAFTER_CONTROL
 from spectrain_workloads.drafter.synthetic import SyntheticSpec, WindowSpec
 from tests.integration.drafter_procs import Pod, drive, synthetic_target
@@ -26,7 +27,7 @@ def test_a_drafter_disabled_from_the_start_never_touches_the_ring(tmp_path: Path
     target = synthetic_target(pod, spec)
     try:
         proc = pod.start_drafter()
-        summary = drive(target, lambda: (pod.run_dir / "drafter-summary-rank-0.json").exists() and pod.summary(),
+        summary = drive(target, lambda: rundir.drafter_summary(pod.run_dir, 0).exists() and pod.summary(),
                         60, "the disabled drafter's summary", proc)
         assert (summary["state"], summary["reason"]) == ("Disabled", "DisabledByOperator")
         for _ in range(20):
@@ -38,4 +39,7 @@ def test_a_drafter_disabled_from_the_start_never_touches_the_ring(tmp_path: Path
     finally:
         pod.kill()
         target.close()
-    assert not pod.events() and not (pod.run_dir / "drafter").exists(), "no model, no checkpoint, no export"
+    drafter_dir = rundir.drafter_dir(pod.run_dir)
+    assert not pod.events(), "no model"
+    assert sorted(p.name for p in drafter_dir.iterdir()) == [rundir.drafter_summary(pod.run_dir, 0).name], \
+        "no checkpoint, no export: only the summary in the drafter's directory"

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+from spectrain_api import rundir
 from spectrain_api.names import (
     ANNOTATION_DRAFTER_DISABLED,
     ENV_DRAFTER_CONTROL,
@@ -112,7 +113,7 @@ def _assert_target_unchanged(on: Path, off: Path) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory, off: Path) -> dict[str, Any]:
     on = tmp_path_factory.mktemp("on")
     cfg = _config(on / "cfg.json")
-    events = on / "metrics" / "drafter-rank-1.jsonl"
+    events = rundir.drafter_metrics(on, 1)
     info: dict[str, Any] = {"off": off, "on": on}
     procs: list[subprocess.Popen[bytes]] = []
     # The drafters first: once they wait for the ring (torch imported), the target starts; it
@@ -120,7 +121,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, off: Path) -> dict[str, Any]:
     peers = _peers()
     drafters = [_drafter(on, cfg, n, peers) for n in range(2)]
     try:
-        wait_for(lambda: all((on / f"drafter-summary-rank-{n}.json").exists() for n in range(2)), 120,
+        wait_for(lambda: all(rundir.drafter_summary(on, n).exists() for n in range(2)), 120,
                  what="both drafters up and waiting for the ring")
         procs = launch_local(cfg, 2, on, on / "ring", env=BASE_ENV)
         wait_for(lambda: [e for e in read_jsonl(events) if e["event"] == "checkpoint" and e["version"] >= 2],
@@ -151,7 +152,7 @@ def test_target_is_bitwise_identical_with_the_drafter_on_and_off(runs: dict[str,
     assert runs["killed_at_step"] < STEPS, "the drafter was killed mid-run"
     _assert_target_unchanged(on, off)
     # the drafter did train next to it, on the target's published data
-    s = json.loads((on / "drafter-summary-rank-1.json").read_text())
+    s = json.loads(rundir.drafter_summary(on, 1).read_text())
     assert s["samplesTrained"] > 0 and s["dataReceived"] > 0 and s["policy"] == "IdleOnly"
     assert not (off / "drafter").exists()
 
@@ -164,7 +165,7 @@ def test_killed_drafter_resumes_from_its_last_complete_checkpoint(runs: dict[str
     assert all(not n.startswith(".tmp-") for n in ckpts)
     # stage 0's ring has windows but no data: the last stage's samples reach its drafter, which
     # trains in stage 0's windows, and its replica is combined into the exported model
-    s0 = json.loads((on / "drafter-summary-rank-0.json").read_text())
+    s0 = json.loads(rundir.drafter_summary(on, 0).read_text())
     assert s0["samplesFromPeers"] > 0 and s0["samplesTrained"] > 0 and s0["harvestedSeconds"] > 0, s0
     assert s0["combinedVersion"] >= 1 and s0["combinedWorkSeconds"] > 0, s0
 
@@ -188,10 +189,10 @@ def test_drafter_learns_from_the_real_target_only_in_its_windows(runs: dict[str,
 
     on = runs["on"]
     windows = {w["window_id"]: w for w in read_jsonl(on / "metrics" / "windows-rank-1.jsonl")}
-    work = [e for e in read_jsonl(on / "metrics" / "drafter-rank-1.jsonl") if e["event"] == "work"]
+    work = [e for e in read_jsonl(rundir.drafter_metrics(on, 1)) if e["event"] == "work"]
     # (work records are written when their window closes: a SIGKILLed drafter loses those of open
     # windows; its training counters survive in its checkpoints and reach the summary)
-    summary = json.loads((on / "drafter-summary-rank-1.json").read_text())
+    summary = json.loads(rundir.drafter_summary(on, 1).read_text())
     assert work and summary["microSteps"] >= 20, summary
     for rec in work:   # IdleOnly: every task inside one of the target's windows, overrun <= one task
         w = windows[rec["window_id"]]
@@ -218,7 +219,7 @@ def test_drafter_learns_from_the_real_target_only_in_its_windows(runs: dict[str,
 
 def _summary(root: Path, rank: int) -> dict[str, Any]:
     try:
-        return json.loads((root / f"drafter-summary-rank-{rank}.json").read_text())
+        return json.loads(rundir.drafter_summary(root, rank).read_text())
     except (FileNotFoundError, ValueError):
         return {}
 
@@ -239,7 +240,7 @@ def test_drafters_disabled_in_place_idle_and_the_target_is_unchanged(off: Path, 
     try:
         wait_for(lambda: all(_summary(root, n) for n in range(2)), 120, what="both drafters up")
         procs = launch_local(cfg, 2, root, root / "ring", env=BASE_ENV)
-        events = root / "metrics" / "drafter-rank-1.jsonl"
+        events = rundir.drafter_metrics(root, 1)
         wait_for(lambda: [e for e in read_jsonl(events) if e["event"] == "checkpoint"], 120, interval=0.05,
                  what="the last stage's drafter trained")
         for c in controls:
@@ -271,6 +272,6 @@ def test_drafters_disabled_in_place_idle_and_the_target_is_unchanged(off: Path, 
         s = _summary(root, n)
         assert s["state"] == "Disabled" and s["reason"] == "DisabledByOperator", s
         assert s["microSteps"] == disabled[n]["microSteps"], "no work after it was disabled"
-        evs = read_jsonl(root / "metrics" / f"drafter-rank-{n}.jsonl")
+        evs = read_jsonl(rundir.drafter_metrics(root, n))
         cut = next(i for i, e in enumerate(evs) if e["event"] == "disabled")
         assert not [e for e in evs[cut:] if e["event"] in ("work", "checkpoint", "export", "acceptance")], evs[cut:]

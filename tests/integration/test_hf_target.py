@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 
+from spectrain_api import rundir
 from spectrain_workloads.hf.tiny import build_model
 
 pytestmark = pytest.mark.integration
@@ -57,7 +58,7 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     res = subprocess.run([*SPECTRAIN, "run", str(manifest), "--run-dir", str(run_dir), "-q"], cwd=ROOT,
                          capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    harvested = [json.loads((run_dir / "run" / f"drafter-summary-rank-{r}.json").read_text())["harvestedSeconds"]
+    harvested = [json.loads(rundir.drafter_summary(run_dir / "run", r).read_text())["harvestedSeconds"]
                  for r in (0, 1)]
     assert sum(harvested) > 0, harvested     # the drafters trained in the target's idle windows
     return {"arch": arch, "tied": tied, "model": model, "run": run_dir / "run", "job": job}

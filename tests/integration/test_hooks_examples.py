@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from spectrain_api import rundir
 from tests.launch import free_port
 
 pytestmark = pytest.mark.integration
@@ -74,7 +75,7 @@ def _windows(run: Path, rank: int) -> list[dict[str, Any]]:
 
 
 def _harvested_s(run: Path) -> float:
-    return sum(json.loads(p.read_text())["harvestedSeconds"] for p in (run / "run").glob("drafter-summary-rank-*.json"))
+    return sum(json.loads(p.read_text())["harvestedSeconds"] for _, p in rundir.drafter_summaries(run / "run"))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def test_pipelining_drafter_harvests_and_training_is_bitwise_unchanged(pipelinin
     assert sorted(on) == sorted(pipelining["off"])
     assert len([line for line in on if line.startswith("step ")]) == STEPS["pipelining"]
     assert _harvested_s(pipelining["run"]) > 0
-    summary = json.loads((pipelining["run"] / "run" / "drafter-summary-rank-1.json").read_text())
+    summary = json.loads(rundir.drafter_summary(pipelining["run"] / "run", 1).read_text())
     assert summary["dataReceived"] > 0 and summary["samplesTrained"] > 0   # the last stage's hidden states
 
 

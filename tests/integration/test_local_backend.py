@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from spectrain_api import rundir
 from spectrain_operator import builders, local_layout, spec
 from tests.waiting import wait_for
 
@@ -85,6 +86,11 @@ def test_short_demo_end_to_end_with_resume(tmp_path: Path) -> None:
     assert latest.exists(), sorted(p.name for p in data.iterdir())
     export = data / "drafter" / latest.read_text().strip()
     assert (export / "model.safetensors").stat().st_size > 0 and (export / "config.json").exists()
+    # Everything the drafters wrote is under drafter/ (their read-write part of the run volume).
+    assert [r for r, _ in rundir.drafter_summaries(data)] == [0, 1]
+    assert [r for r, _ in rundir.drafter_metrics_files(data)] == [0, 1]
+    assert sorted(p.name for p in data.iterdir() if "drafter" in p.name) == [rundir.DRAFTER_DIR]
+    assert not list((data / "metrics").glob("*drafter*"))
     # The report: markdown, a non-empty timeline image, and the headline on stdout.
     report = run_dir / "report" / "report.md"
     assert report.exists() and "timeline.png" in report.read_text()
@@ -92,6 +98,11 @@ def test_short_demo_end_to_end_with_resume(tmp_path: Path) -> None:
     assert "harvest_efficiency" in res.stdout and str(report) in res.stdout
     summary = json.loads((run_dir / "report" / "summary.json").read_text())
     assert summary["idle_s"] > 0 and summary["idle_s_by_kind"]["Bubble"] > 0
+    # the report read the drafters' summaries and logs at their places
+    assert summary["artifact"] and Path(summary["artifact"]).parent == data / rundir.DRAFTER_DIR
+    from spectrain_workloads.report.data import load
+
+    assert all(rd.summary.get("state") and rd.drafter for rd in load(run_dir).values())
 
 
 def test_fresh_run_refuses_a_used_run_dir(tmp_path: Path) -> None:

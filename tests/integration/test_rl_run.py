@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
+from spectrain_api import rundir
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +70,7 @@ def test_rl_run_trains_the_drafter_in_rollout_tails_and_resumes(tmp_path: Path) 
     tails = [w for w in windows if w["kind"] == "RolloutTail"]
     assert len(tails) >= 4 and all(w["actual_ns"] > 0 for w in tails)
     # The sidecar trained inside them, on the hidden states the rollouts published, and exported.
-    events = jsonl(data / "metrics" / "drafter-rank-0.jsonl")
+    events = jsonl(rundir.drafter_metrics(data, 0))
     work = [e for e in events if e["event"] == "work" and e["kind"] == "RolloutTail" and e["microsteps"] > 0]
     assert work, [e for e in events if e["event"] != "work"][-5:]
     tail_ids = {w["window_id"] for w in tails}
@@ -101,7 +103,7 @@ def test_rl_run_trains_the_drafter_in_rollout_tails_and_resumes(tmp_path: Path) 
     last = resumed[-1]              # step RESUMED, a multiple of 4: a drafter is loaded, so it was measured side by side
     assert last["plain_rollout_s"] > 0 and last["plain_rollout_tokens_per_s"] > 0 and last["rl_step_speedup"] > 0
     assert last["rl_step_speedup"] == pytest.approx((last["plain_rollout_s"] + last["train_s"]) / last["step_time_s"])
-    setups = [e for e in jsonl(data / "metrics" / "drafter-rank-0.jsonl") if e["event"] == "setup"]
+    setups = [e for e in jsonl(rundir.drafter_metrics(data, 0)) if e["event"] == "setup"]
     assert len(setups) == 2 and setups[1]["resumed_version"] >= exported
     assert sorted(int(p.name.split("-")[1]) for p in data.glob("target/rank-0/step-*")) == [FIRST, RESUMED]
     log = (run_dir / "logs").glob("*.target.log")

@@ -105,7 +105,8 @@ class CheckpointManager:
             raise FileNotFoundError(f"checkpoint {path} is missing; the ranks' checkpoints disagree "
                                     "(raise checkpoint.keep or clear the run directory)")
         # weights_only: tensors and plain data only. The run volume is shared with the drafter
-        # container; a full unpickler would run whatever code a file there names.
+        # container (read-only there but for drafter/, except in SingleContainer mode and locally);
+        # a full unpickler would run whatever code a file there names.
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:

@@ -1,8 +1,8 @@
 """The workloads' half of the status path (docs/design.md): progress and drafter summaries.
 
 `report_progress(dict)` (target rank 0) and `report_drafter(dict)` (each drafter) always write
-`progress.json` / `drafter-summary-rank-<r>.json` into $SPECTRAIN_RUN_DIR atomically (temp file +
-rename), and, in a cluster (env SPECTRAIN_POD_NAME, SPECTRAIN_POD_NAMESPACE and a mounted
+`progress.json` / `drafter/summary-rank-<r>.json` (spectrain_api.rundir) into $SPECTRAIN_RUN_DIR
+atomically (temp file + rename), and, in a cluster (env SPECTRAIN_POD_NAME, SPECTRAIN_POD_NAMESPACE and a mounted
 service-account token), merge-patch the pod's own annotation `spectrain.io/progress` /
 `spectrain.io/drafter` with the JSON, at most every 10 s per annotation (`flush=True` forces it,
 e.g. for the last report; one that arrives while a PATCH of its annotation is in flight is sent
@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from spectrain_api import rundir
 from spectrain_api.fsio import atomic_write_json
 from spectrain_api.names import (
     ANNOTATION_DRAFTER,
@@ -144,7 +145,7 @@ def report_drafter(summary: dict[str, Any], rank: int | None = None, *, flush: b
         r = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
         run_dir = _run_dir()
         if run_dir is not None:
-            atomic_write_json(run_dir / f"drafter-summary-rank-{r}.json", data, durable=False, sort_keys=True)
+            atomic_write_json(rundir.drafter_summary(run_dir, r), data, durable=False, sort_keys=True)
         _maybe_patch(ANNOTATION_DRAFTER, data, flush)
     except Exception as exc:
         log.warning("report_drafter failed: %s", exc)

@@ -10,6 +10,8 @@ import kubernetes_validate
 import pytest
 
 from spectrain_api import names
+from spectrain_api.config import from_manifest
+from spectrain_api.rules import check_spec
 from spectrain_operator import access, builders, objects, spec
 
 pytestmark = pytest.mark.unit
@@ -73,10 +75,11 @@ def test_pod_layout_target_and_native_sidecar_drafter() -> None:
     assert vols["ring"] == {"name": "ring", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}}
     assert vols["run"] == {"name": "run", "emptyDir": {}}
     assert vols["config"]["configMap"]["name"] == "demo-config"
-    shared = {"config": "/etc/spectrain", "ring": "/var/run/spectrain/ring", "run": "/var/run/spectrain/run"}
-    assert {m["name"]: m["mountPath"] for m in target["volumeMounts"]} == shared
-    assert {m["name"]: m["mountPath"] for m in drafter["volumeMounts"]} == {
-        **shared, "podinfo": "/etc/spectrain/podinfo", "fleet-key": "/etc/spectrain/fleet-key"}
+    shared = {"/etc/spectrain": "config", "/var/run/spectrain/ring": "ring", "/var/run/spectrain/run": "run"}
+    assert {m["mountPath"]: m["name"] for m in target["volumeMounts"]} == shared
+    assert {m["mountPath"]: m["name"] for m in drafter["volumeMounts"]} == {
+        **shared, "/var/run/spectrain/run/drafter": "run", "/etc/spectrain/podinfo": "podinfo",
+        "/etc/spectrain/fleet-key": "fleet-key"}
     assert p["metadata"]["labels"][builders.LABEL_NODE] == "1"
     assert p["metadata"]["labels"][builders.LABEL_GENERATION] == "0"
 
@@ -144,6 +147,61 @@ def test_claims_checkpoint_export_and_read_only_data() -> None:
     assert spec.claims(j["spec"]) == [("spec.target.checkpoint.claimName", "ckpt"),
                                       ("spec.drafter.export.claimName", "models"),
                                       ("spec.target.data.source", "corpus")]
+
+
+def _run_mounts(c: dict[str, Any]) -> list[tuple[str, str | None, bool]]:
+    """(mountPath, subPath, readOnly) of a container's mounts of the run volume."""
+    return [(m["mountPath"], m.get("subPath"), bool(m.get("readOnly"))) for m in c["volumeMounts"]
+            if m["name"] == "run"]
+
+
+RUN = builders.RUN_DIR
+TARGET_RUN = [(RUN, None, False)]
+DRAFTER_RUN = [(RUN, None, True), (f"{RUN}/drafter", "drafter", False)]
+
+
+@pytest.mark.parametrize("mode", ["None", "DRA", "PodLocalMPS", "SingleContainer"])
+@pytest.mark.parametrize(("export", "extra"), [
+    ({}, []),                                                             # default path "drafter"
+    ({"path": "drafter/exports"}, []),                                    # under drafter/: covered
+    ({"path": "./models/./eagle"}, [(f"{RUN}/models/eagle", "models/eagle", False)]),   # its own, normalized
+    ({"claimName": "models", "path": "eagle"}, []),                       # on its own volume
+])
+def test_the_drafter_writes_only_its_own_directories_of_the_run_volume(mode: str, export: dict[str, str],
+                                                                       extra: list[Any]) -> None:
+    """The drafter (bytes from peers) mounts the run volume read-only, plus read-write subPaths for
+    drafter/ and an export path of its own; the target's mount is unchanged. SingleContainer: one
+    container runs both, so it keeps the target's read-write mount and none of the drafter's."""
+    j = job(gpuSharing={"mode": mode, "gpusPerNode": 0 if mode == "None" else 1})
+    j["spec"]["drafter"]["export"].update(export)
+    assert spec.validate(j) == []
+    for pod in by_kind(builders.render(j))["Pod"]:
+        cs = {c["name"]: c for c in _containers(pod)}
+        assert _run_mounts(cs["target"]) == TARGET_RUN
+        if mode == "SingleContainer":
+            assert "drafter" not in cs
+            continue
+        assert _run_mounts(cs["drafter"]) == DRAFTER_RUN + extra
+        # each read-write subPath is mounted where it lies in the volume (its mount point exists in
+        # the read-only mount: the kubelet made the subPath directory)
+        assert all(path == f"{RUN}/{sub}" for path, sub, _ in _run_mounts(cs["drafter"]) if sub)
+        if "mps-daemon" in cs:
+            assert _run_mounts(cs["mps-daemon"]) == []
+    if export.get("claimName"):
+        export_mounts = [m for m in cs["target"]["volumeMounts"] if m["name"] == "export"]
+        assert export_mounts == [{"name": "export", "mountPath": builders.EXPORT_DIR}]
+
+
+@pytest.mark.parametrize("path", [".", "target", "./target/x", "metrics", "progress.json", "tokenizer.json"])
+def test_an_export_path_of_the_targets_on_the_run_volume_is_refused_with_its_field(path: str) -> None:
+    j = job()
+    j["spec"]["drafter"]["export"]["path"] = path
+    errors = spec.validate(j)
+    assert len(errors) == 1 and errors[0].startswith("spec.drafter.export.path:"), errors
+    assert "spec.drafter.export.claimName" in errors[0]
+    assert check_spec(from_manifest(j)) == errors               # the workloads refuse it at start too
+    j["spec"]["drafter"]["export"]["claimName"] = "models"      # its own volume: any relative path
+    assert spec.validate(j) == []
 
 
 def test_an_hf_models_claim_is_mounted_read_only_beside_the_datas() -> None:

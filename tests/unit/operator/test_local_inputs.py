@@ -66,3 +66,20 @@ def test_local_pods_give_each_pods_drafters_their_own_loopback_ports(tmp_path: P
     assert len(ports) == 2 and abs(ports[0] - ports[1]) >= 2      # local ranks 0, 1 of each pod: base + i
     assert all(c.env["SPECTRAIN_DRAFTER_BIND"] == "127.0.0.1" for c in drafters)
     assert not any("SPECTRAIN_DRAFTER_PEERS" in c.env for c in run.containers if c.name == "target")
+
+
+def test_local_subpath_mounts_are_directories_inside_their_volumes(tmp_path: Path) -> None:
+    """The drafter's read-write subPaths of the run volume (drafter/, an export path of its own) map to
+    those directories of the run volume's host directory, made as the kubelet makes them; the
+    read-only rest is the same directory (readOnly is not enforced locally: no mount namespaces)."""
+    job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    job["spec"]["drafter"]["export"] = {"path": "models/eagle"}
+    run = local_layout.plan(job, tmp_path / "r", shm_dir=tmp_path / "shm")
+    volume = tmp_path / "r" / "run"
+    for c in run.containers:
+        assert c.env["SPECTRAIN_RUN_DIR"] == str(volume)
+        assert c.env["SPECTRAIN_EXPORT_DIR"] == str(volume / "models" / "eagle")
+    assert (volume / "drafter").is_dir() and (volume / "models" / "eagle").is_dir()
+    assert local_layout._mount_dir(volume, {"name": "run", "mountPath": "/x", "readOnly": True}) == volume
+    assert local_layout._mount_dir(volume, {"name": "run", "mountPath": "/x/a/b", "subPath": "a/b"}) == volume / "a/b"
+    assert (volume / "a" / "b").is_dir()

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from spectrain_api import rundir
 from spectrain_workloads import podstatus
 from tests.waiting import wait_for
 
@@ -31,7 +32,7 @@ def test_files_are_written_atomically_with_nan_dropped(tmp_path: Path, monkeypat
     podstatus.report_drafter({"state": "Active", "harvestedSeconds": 1.0}, rank=2)
     prog = json.loads((tmp_path / "progress.json").read_text())
     assert prog["step"] == 3 and prog["loss"] is None and prog["updatedAt"]
-    assert json.loads((tmp_path / "drafter-summary-rank-2.json").read_text())["state"] == "Active"
+    assert json.loads(rundir.drafter_summary(tmp_path, 2).read_text())["state"] == "Active"
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 

@@ -41,10 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from spectrain_api import rundir
 from spectrain_api.errors import ConfigError
 from spectrain_api.fsio import atomic_dir, atomic_write_text
-from spectrain_workloads.drafter.models import EagleDrafter
 from spectrain_api.names import EAGLE, LM
+from spectrain_workloads.drafter.models import EagleDrafter
 from spectrain_workloads.model import ModelConfig, Transformer
 
 FORMAT = "spectrain-drafter/1"
@@ -92,7 +93,7 @@ def clean_temp(root: Path) -> None:
 # ---------------------------------------------------------------- checkpoints
 
 def checkpoint_root(run_dir: str | os.PathLike[str], rank: int) -> Path:
-    return Path(run_dir) / "drafter" / f"rank-{rank}"
+    return rundir.drafter_checkpoints(run_dir, rank)
 
 
 def save_checkpoint(root: Path, version: int, module: nn.Module, optimizer: torch.optim.Optimizer,

@@ -10,8 +10,8 @@ Definitions (all from CLOCK_MONOTONIC timestamps):
 - harvest efficiency: busy time inside usable windows / total usable window time.
 - overrun: for a window the drafter worked in, last task end - window end, when positive.
 
-Log lines (metrics/drafter-rank-<r>.jsonl, contracts.md): {"event": "work", window_id, kind,
-start_ns, end_ns, busy_ns, busy_in_window_ns, tasks, microsteps, samples, loss, last_task_ns,
+Log lines (drafter/metrics-rank-<r>.jsonl: spectrain_api.rundir, contracts.md): {"event": "work",
+window_id, kind, start_ns, end_ns, busy_ns, busy_in_window_ns, tasks, microsteps, samples, loss, last_task_ns,
 window_start_ns, window_end_ns, overrun_ns}, {"event": "acceptance", ...}, {"event": "checkpoint", ...},
 {"event": "state", ...}, {"event": "setup", ...}.
 """
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spectrain_api import rundir
 from spectrain_api.fsio import atomic_write_json
 from spectrain_api.names import ENV_RUN_DIR
 from spectrain_workloads.drafter.gating import ClosedWindow, quantile
@@ -200,4 +201,4 @@ def write_summary(run_dir: str | os.PathLike[str], rank: int, summary: dict[str,
     podstatus.report_drafter(data, rank=rank, flush=flush)
     env_dir = os.environ.get(ENV_RUN_DIR)
     if not env_dir or Path(env_dir).resolve() != Path(run_dir).resolve():
-        atomic_write_json(Path(run_dir) / f"drafter-summary-rank-{rank}.json", data, durable=False, sort_keys=True)
+        atomic_write_json(rundir.drafter_summary(run_dir, rank), data, durable=False, sort_keys=True)

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from spectrain_api import rundir
+from spectrain_api.names import ALWAYS, OFF
 from spectrain_workloads import nvml
 from spectrain_workloads.drafter import export as ex
 from spectrain_workloads.drafter.combiner import BatchCombiner, SampleBuffer
@@ -78,7 +80,7 @@ class Worker(WindowWork, ExportGate):
                                    eval_every=settings.eval_every, eval_samples=settings.eval_samples)
         self.combiner = BatchCombiner(max_micro_batch=settings.max_micro_batch,
                                       samples_per_step=settings.samples_per_step, cost=self.cost)
-        self.metrics = Metrics(run_dir / "metrics" / f"drafter-rank-{rank}.jsonl", kinds=settings.kinds)
+        self.metrics = Metrics(rundir.drafter_metrics(run_dir, rank), kinds=settings.kinds)
         # weights through the fleet's star or the ring (spec.drafter.exchange.engine): one interface
         self.replicas = make_replicas(fleet, rank, self.metrics.log) if fleet is not None else None
         self.ckpt_root = ex.checkpoint_root(run_dir, rank)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from spectrain_api import rundir
+
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
@@ -54,8 +56,8 @@ class RankData:
     rank: int
     steps: list[dict[str, Any]] = field(default_factory=list)     # metrics/target-rank-<r>.jsonl
     windows: list[dict[str, Any]] = field(default_factory=list)   # metrics/windows-rank-<r>.jsonl
-    drafter: list[dict[str, Any]] = field(default_factory=list)   # metrics/drafter-rank-<r>.jsonl
-    summary: dict[str, Any] = field(default_factory=dict)         # drafter-summary-rank-<r>.json
+    drafter: list[dict[str, Any]] = field(default_factory=list)   # drafter/metrics-rank-<r>.jsonl
+    summary: dict[str, Any] = field(default_factory=dict)         # drafter/summary-rank-<r>.json
 
     def events(self, name: str) -> list[dict[str, Any]]:
         return [e for e in self.drafter if e.get("event") == name]
@@ -69,18 +71,19 @@ def load(run_dir: Path) -> dict[int, RankData]:
     d = data_dir(run_dir)
     ranks: dict[int, RankData] = {}
 
-    def rank(p: Path) -> RankData:
-        return ranks.setdefault(_rank_of(p), RankData(rank=_rank_of(p)))
+    def rank(p: Path, r: int | None = None) -> RankData:
+        r = _rank_of(p) if r is None else r
+        return ranks.setdefault(r, RankData(rank=r))
 
     for p in sorted((d / "metrics").glob("target-rank-*.jsonl")):
         rank(p).steps = read_jsonl(p)
     for p in sorted((d / "metrics").glob("windows-rank-*.jsonl")):
         rank(p).windows = read_jsonl(p)
-    for p in sorted((d / "metrics").glob("drafter-rank-*.jsonl")):
-        rank(p).drafter = read_jsonl(p)
-    for p in sorted(d.glob("drafter-summary-rank-*.json")):
+    for r, p in rundir.drafter_metrics_files(d):
+        rank(p, r).drafter = read_jsonl(p)
+    for r, p in rundir.drafter_summaries(d):
         try:
-            rank(p).summary = json.loads(p.read_text())
+            rank(p, r).summary = json.loads(p.read_text())
         except json.JSONDecodeError:
             pass
     return dict(sorted(ranks.items()))

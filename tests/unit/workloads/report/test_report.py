@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from spectrain_api import rundir
 from spectrain_workloads import report
 from spectrain_workloads.report.rl import window
 
@@ -47,18 +48,18 @@ def pretrain_run(d: Path, *, summary0: dict[str, Any] | None = None) -> None:
     m = d / "metrics"
     write_jsonl(m / "windows-rank-0.jsonl", [window_rec(1, "Bubble", 0, 100), window_rec(2, "Bubble", 200, 100),
                                              window_rec(3, "Bubble", 400, 100), window_rec(4, "Communication", 600, 50)])
-    write_jsonl(m / "drafter-rank-0.jsonl", [
+    write_jsonl(rundir.drafter_metrics(d, 0), [
         event("state", 0, state="Waiting", reason="NoData"),
         work(1, "Bubble", 10, 50, 40, window_end_ms=100),
         work(-1, "Bubble", 700, 900, 200, window_end_ms=None),          # policy Always, outside windows: not idle time
         event("acceptance", 1000, acceptance_length=3.5),
         event("state", 2000, state="Active", reason=""),
     ])
-    (d / "drafter-summary-rank-0.json").write_text(json.dumps(
+    rundir.drafter_summary(d, 0).write_text(json.dumps(
         {"state": "Active", "reason": "", "artifact": "", "acceptanceLength": 3.5, "harvestEfficiency": 0.1,
          **(summary0 or {})}))
     write_jsonl(m / "windows-rank-1.jsonl", [window_rec(10, "Bubble", 0, 200), window_rec(11, "Bubble", 1000, 200)])
-    write_jsonl(m / "drafter-rank-1.jsonl", [
+    write_jsonl(rundir.drafter_metrics(d, 1), [
         work(10, "Bubble", 10, 160, 150, window_end_ms=200),
         event("checkpoint", 300, version=1, artifact="/x/drafter/v1"),
         event("acceptance", 310, acceptance_length=2.0),
@@ -69,7 +70,7 @@ def pretrain_run(d: Path, *, summary0: dict[str, Any] | None = None) -> None:
         work(11, "Bubble", 1050, 1300, 250, window_end_ms=None),
         event("acceptance", 1400, acceptance_length=2.5),
     ])
-    (d / "drafter-summary-rank-1.json").write_text(json.dumps(
+    rundir.drafter_summary(d, 1).write_text(json.dumps(
         {"state": "Active", "artifact": "/x/drafter/v2", "acceptanceLength": 2.5, "harvestEfficiency": 0.5}))
     for r in (0, 1):
         write_jsonl(m / f"target-rank-{r}.jsonl", [{"step": s, "loss": 5.0 - s, "step_time_s": 0.5,
@@ -115,9 +116,9 @@ def test_combined_work_seconds_and_exchange_counters_are_used_when_the_drafter_r
 def test_the_coordinators_count_of_exported_work_covers_the_last_round(tmp_path: Path) -> None:
     # rank 0's own count misses the last round (combined after it stopped); the coordinator saw it
     pretrain_run(tmp_path, summary0={"combinedWorkSeconds": 0.1})
-    s1 = json.loads((tmp_path / "drafter-summary-rank-1.json").read_text())
+    s1 = json.loads(rundir.drafter_summary(tmp_path, 1).read_text())
     s1["exportWorkSecondsByRank"] = {"0": 0.3, "1": 0.05}
-    (tmp_path / "drafter-summary-rank-1.json").write_text(json.dumps(s1))
+    rundir.drafter_summary(tmp_path, 1).write_text(json.dumps(s1))
     s = report.summarize(tmp_path)
     assert s["effective_s_by_rank"] == pytest.approx({"0": 0.3, "1": 0.15})    # the larger of the two counts
 
@@ -126,9 +127,9 @@ def test_combined_work_counts_only_its_share_inside_windows(tmp_path: Path) -> N
     # Rank 0 was busy 0.08 s, 0.04 s of it inside windows (tasks ran past window ends): half of the
     # work it says reached the export was idle time, so half counts.
     pretrain_run(tmp_path, summary0={"combinedWorkSeconds": 0.06, "busySeconds": 0.08})
-    s1 = json.loads((tmp_path / "drafter-summary-rank-1.json").read_text())
+    s1 = json.loads(rundir.drafter_summary(tmp_path, 1).read_text())
     s1["exportWorkSecondsByRank"] = {"0": 0.07}
-    (tmp_path / "drafter-summary-rank-1.json").write_text(json.dumps(s1))
+    rundir.drafter_summary(tmp_path, 1).write_text(json.dumps(s1))
     s = report.summarize(tmp_path)
     assert s["effective_s_by_rank"]["0"] == pytest.approx(0.07 * 0.5)
     assert s["effective_s_by_rank"]["0"] <= s["harvested_s_by_rank"]["0"]
@@ -153,10 +154,10 @@ def rl_run(d: Path, *, steps: int = 20, plain_every: int = 4) -> list[float]:
     write_jsonl(d / "metrics" / "target-rank-0.jsonl", rows)
     write_jsonl(d / "metrics" / "windows-rank-0.jsonl", [window_rec(s, "RolloutTail", s * 1000, 300)
                                                          for s in range(1, steps + 1)])
-    write_jsonl(d / "metrics" / "drafter-rank-0.jsonl", [work(s, "RolloutTail", s * 1000, s * 1000 + 250, 200,
-                                                              window_end_ms=s * 1000 + 300) for s in range(1, 4)])
-    (d / "drafter-summary-rank-0.json").write_text(json.dumps({"state": "Active", "artifact": "/x/v1",
-                                                                "acceptanceLength": 3.0}))
+    write_jsonl(rundir.drafter_metrics(d, 0), [work(s, "RolloutTail", s * 1000, s * 1000 + 250, 200,
+                                                    window_end_ms=s * 1000 + 300) for s in range(1, 4)])
+    rundir.drafter_summary(d, 0).write_text(json.dumps({"state": "Active", "artifact": "/x/v1",
+                                                        "acceptanceLength": 3.0}))
     return speedups
 
 
