@@ -75,8 +75,8 @@ def rl_figures(ranks: dict[int, RankData], baseline: dict[int, RankData] | None 
     p_first, p_last, _ = first_last(plain_share)
     k_hist: dict[int, int] = {}
     for s in recs:
-        for k, n in (s.get("k_histogram") or {}).items():
-            k_hist[int(k)] = k_hist.get(int(k), 0) + int(n)
+        for k, count in (s.get("k_histogram") or {}).items():
+            k_hist[int(k)] = k_hist.get(int(k), 0) + int(count)
     measured = [s for s in recs if _num(s.get("rl_step_speedup")) and _num(s.get("plain_rollout_s"))]
     # With vs without on the same steps: the speculative figures of measured steps only.
     sample = measured or recs

@@ -143,7 +143,7 @@ def rl_run(d: Path, *, steps: int = 20, plain_every: int = 4) -> list[float]:
         row = {"step": s, "loss": 0.1, "step_time_s": 1.0, "time_ns": T0 + s * S, "reward": 0.1 + 0.02 * s,
                "rollout_s": 0.8, "train_s": 0.2, "rollout_tokens_per_s": 100.0, "tokens": 80,
                "acceptance_length": 1.0 + s / 10 if s > 2 else 0.0, "spec_steps": 5 if s > 2 else 0,
-               "plain_share": 1.0 if s <= 2 else 0.5, "k_histogram": {"0": 10} if s <= 2 else {"0": 5, "3": 5}}
+               "plain_share": 1.0 if s <= 2 else 0.5, "k_histogram": {"0": 11} if s <= 2 else {"0": 7, "3": 4}}
         if plain_every and s % plain_every == 0:
             sp = speedups[(s // plain_every - 1) % len(speedups)]
             plain = sp * 1.0 - 0.2
@@ -182,7 +182,7 @@ def test_rl_reward_curve_speedup_and_acceptance(tmp_path: Path) -> None:
     # the controller's decisions: plain share first / last 5 steps, steps per draft length over the run
     assert s["rollout_plain_share_first"] == pytest.approx((1 + 1 + 0.5 + 0.5 + 0.5) / 5)
     assert s["rollout_plain_share_last"] == pytest.approx(0.5)
-    assert s["rollout_k_histogram"] == {"0": 2 * 10 + 18 * 5, "3": 18 * 5}
+    assert s["rollout_k_histogram"] == {"0": 2 * 11 + 18 * 7, "3": 18 * 4}
 
 
 def test_rl_speedup_from_a_baseline_run_when_no_step_was_measured(tmp_path: Path) -> None:
