@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import json
+from fractions import Fraction
 from typing import Any
 
 from spectrain_api.names import ENV_GPU_SHARING
@@ -83,6 +84,14 @@ class GpuSharingError(ValueError):
     """The spec cannot be turned into a GPU-sharing layout; the message names the field and the fix."""
 
 
+def _quantity(value: Any, field: str) -> Fraction:
+    """objects.parse_quantity, its refusal as this module's GpuSharingError."""
+    try:
+        return parse_quantity(value, field)
+    except ValueError as exc:
+        raise GpuSharingError(str(exc)) from None
+
+
 def pinned_mem_limit_env(pinned_memory_limit: Any, gpus: int) -> str:
     """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT for `gpus` devices: "0=8192M,1=8192M".
 
@@ -91,10 +100,7 @@ def pinned_mem_limit_env(pinned_memory_limit: Any, gpus: int) -> str:
     exactly and no limit is ever raised by rounding.
     """
     field = "spec.drafter.gpuShare.pinnedMemoryLimit"
-    try:
-        mib = int(parse_quantity(pinned_memory_limit, field) / (1 << 20))
-    except ValueError as exc:
-        raise GpuSharingError(str(exc)) from None
+    mib = int(_quantity(pinned_memory_limit, field) / (1 << 20))
     if mib < 1:
         raise GpuSharingError(f"{field}: {pinned_memory_limit!r} is below 1Mi; set at least 1Mi (e.g. 8Gi)")
     return ",".join(f"{i}={mib}M" for i in range(max(gpus, 1)))
@@ -300,7 +306,7 @@ def _sum_resources(target: dict, drafter: dict) -> None:
                 continue
             field = f"spec.drafter.resources.{kind}.{key}"
             if key in t:
-                total = parse_quantity(t[key], f"spec.target.resources.{kind}.{key}") + parse_quantity(val, field)
+                total = _quantity(t[key], f"spec.target.resources.{kind}.{key}") + _quantity(val, field)
                 t[key] = format_quantity(total)
             elif kind == "requests":
                 t[key] = val

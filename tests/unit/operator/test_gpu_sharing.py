@@ -173,6 +173,17 @@ def test_pod_local_mps_daemon_defaults_to_target_image() -> None:
     assert container(pod, "mps-daemon")["securityContext"]["runAsUser"] == 1000
 
 
+def test_single_container_names_the_field_of_a_quantity_it_cannot_add() -> None:
+    """SingleContainer adds the drafter's requests to the target's: a value that is no Kubernetes
+    quantity is refused naming its field (GpuSharingError, which the operator shows as the spec's error)."""
+    job = job_for("SingleContainer")
+    job["spec"]["drafter"]["resources"] = {"requests": {"cpu": "500m"}}
+    job["spec"]["target"]["resources"] = {"requests": {"cpu": "two cores"}}
+    with pytest.raises(gpu_sharing.GpuSharingError,
+                       match=r"spec\.target\.resources\.requests\.cpu: 'two cores' is not a Kubernetes quantity"):
+        render(job)
+
+
 def test_single_container_folds_drafter_into_supervised_target() -> None:
     job = job_for("SingleContainer")
     job["spec"]["drafter"]["maxFailures"] = 5

@@ -43,6 +43,14 @@ def test_every_operator_module_imports_with_torch_and_the_workloads_absent() -> 
         "assert cli.main(['validate', '-q', 'examples/demo.yaml', 'examples/demo-rl.yaml']) == 0\n"
         "assert cli.main(['validate', '-q', 'examples/invalid/layers-not-divisible.yaml']) == 1\n"
         "assert cli.main(['render', 'examples/demo.yaml']) == 0\n"
+        "for argv in (['report', 'runs/x'], ['generate', '--model', 'm', '--drafter', 'd', '--prompt', 'p']):\n"
+        "    try:\n"
+        "        cli.main(argv)\n"
+        "    except SystemExit as exc:\n"
+        "        assert f'spectrain {argv[0]} runs the workloads' in str(exc.code), exc.code\n"
+        "        assert \"pip install 'spectrain[workloads]'\" in str(exc.code), exc.code\n"
+        "    else:\n"
+        "        raise AssertionError(f'{argv[0]} ran without the workloads')\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr

@@ -102,6 +102,9 @@ def test_the_target_forward_returns_transformers_hidden_states_at_the_feature_la
     assert len(plain) == 2 and torch.equal(plain[1], hidden)          # nothing extra when not asked
     with pytest.raises(ConfigError, match=r"feature layers \[2, 3, 7\]: this stage runs layers 0\.\.6"):
         setup.stage(ids, features=(2, 3, 7))
+    first = HFStage.stage(inspect(f"file://{setup.model_dir}"), 0, 7)      # layer 0 only, no LM head
+    with pytest.raises(ConfigError, match=r"runs layers 0\.\.0 and lacks the LM head"):
+        first(ids, features=(0,))
 
 
 def test_the_adapters_cached_chain_is_eagle3_draft(setup: Setup) -> None:
@@ -284,3 +287,6 @@ def test_a_drafter_of_another_target_is_refused_naming_each_mismatch(setup: Setu
     preset = Transformer(ModelConfig(dim=64, n_layers=LAYERS, n_heads=4, vocab_size=512, max_seq_len=64))
     with pytest.raises(ConfigError, match=r"residual stream before layers \[2, 3, 4\]; a Transformer target"):
         RolloutEngine(preset, RolloutConfig(max_new_tokens=4, temperature=0, eos_id=None), setup.drafter)
+    # an arch that contradicts the module is refused, naming both
+    with pytest.raises(ConfigError, match=r"drafter.arch 'Eagle' does not fit a Eagle3Drafter drafter"):
+        as_drafter(setup.drafter, "Eagle")
