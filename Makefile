@@ -87,7 +87,7 @@ demo-rl: $(STAMP) ## run examples/demo-rl.yaml locally (mode RL, ~3 min)
 DEMO_HF_MODEL := /tmp/spectrain-demo-hf/model
 demo-hf: $(STAMP) ## a tiny random HF Llama built offline, trained by examples/hf-tiny.yaml (CPU, ~2 min), then `spectrain generate`
 	rm -rf runs/demo-hf $(DEMO_HF_MODEL)
-	$(PY) -m spectrain_workloads.hf.tiny $(DEMO_HF_MODEL)
+	$(PY) -m spectrain_workloads.hf.tiny $(DEMO_HF_MODEL) --layers 8
 	$(VENV)/bin/spectrain run examples/hf-tiny.yaml --run-dir runs/demo-hf --report
 	$(VENV)/bin/spectrain generate --model runs/demo-hf/run/target/hf --drafter runs/demo-hf/run/drafter \
 	  --prompt "def main(argv):" --max-new-tokens 48 --compare

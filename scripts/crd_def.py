@@ -15,6 +15,7 @@ import re
 from typing import Any, get_type_hints
 
 from spectrain_api import config as W
+from spectrain_api import eagle3 as E3
 from spectrain_api import names as C
 from spectrain_api import rundir
 from spectrain_api.names import GROUP, KIND, PLURAL, VERSION
@@ -294,8 +295,24 @@ def spec_schema() -> dict[str, Any]:
     drafter = o("The speculative-decoding drafter trained in the target's idle windows. Immutable once created.", {
         "enabled": b("Run the drafter sidecar.", default=True),
         "image": s("Drafter image; empty: target.image.", maxLength=1024),
-        "arch": s("Eagle: one decoder layer on the target's hidden states; LM: a small standalone LM.",
-                  default="Eagle", enum=list(C.DRAFTER_ARCHS)),
+        "arch": s("Eagle: one decoder layer on the target's final hidden states (EAGLE-1); LM: a small "
+                  "standalone LM; Eagle3: three target feature layers fused, one decoder layer, a draft "
+                  "vocabulary (EAGLE-3; mode Pretrain only). Default: Eagle3 for a Hugging Face target "
+                  "(spec.target.model.path) in mode Pretrain, Eagle for a preset (or mode RL).",
+                  enum=list(C.DRAFTER_ARCHS)),
+        "featureLayers": a(f"arch Eagle3 only: three target layers whose inputs (the residual stream) the "
+                           f"drafter fuses, strictly increasing, each in [0, L) for a target of L layers; "
+                           f"default (2, L//2, L-3), the last three for L < {E3.DEFAULT_LAYERS_MIN}.",
+                           i("A target layer id (its input: transformers' hidden_states[id]).", minimum=0,
+                             maximum=1048576), minItems=3, maxItems=3, **{"x-kubernetes-validations": [
+                    rule("size(self) != 3 || (self[0] < self[1] && self[1] < self[2])",
+                         "spec.drafter.featureLayers must be strictly increasing")]}),
+        "draftVocabSize": i(f"arch Eagle3 only: draft vocabulary, the most frequent target tokens of the job's "
+                            f"data; at most the target's vocab; default min({E3.DRAFT_VOCAB_DEFAULT}, vocab).",
+                            minimum=1, maximum=16777216),
+        "tttSteps": i(f"arch Eagle3: training-time-test unroll steps, {E3.TTT_STEPS_RANGE[0]}-"
+                      f"{E3.TTT_STEPS_RANGE[1]}, default {E3.TTT_STEPS_DEFAULT}.",
+                      minimum=E3.TTT_STEPS_RANGE[0], maximum=E3.TTT_STEPS_RANGE[1]),
         "preset": s("Training preset of the drafter (its size and batch settings).", default="debug",
                     enum=list(C.DRAFTER_PRESETS)),
         "activation": o("When the drafter may use the GPU.", {
@@ -549,6 +566,11 @@ def workload_defaults(node: dict[str, Any], cls: type, path: str, skip: tuple[st
         sub = _dataclass_in(hints[f.name])
         if sub is not None:
             workload_defaults(prop, sub, f"{path}.{key}")
+            continue
+        if f.metadata.get("schema_default", True) is False:   # config.NO_SCHEMA_DEFAULT: resolved in from_manifest
+            if "default" in prop:
+                raise ValueError(f"{path}.{key}: {cls.__name__}.{f.name} is resolved by config.from_manifest; the "
+                                 "CRD must not default it (the apiserver's default would pre-empt the rule)")
             continue
         value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         if key in required or value in ("", None) or prop.get("x-kubernetes-preserve-unknown-fields"):

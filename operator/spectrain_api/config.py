@@ -16,8 +16,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
+from spectrain_api.eagle3 import TTT_STEPS_DEFAULT
 from spectrain_api.errors import ConfigError
-from spectrain_api.names import BYTE_VOCAB_SIZE, DEFAULT_PRESET, ENV_CONFIG, TARGET_PRESETS, WINDOW_KINDS
+from spectrain_api.names import (
+    BYTE_VOCAB_SIZE,
+    DEFAULT_PRESET,
+    EAGLE,
+    EAGLE3,
+    ENV_CONFIG,
+    PRETRAIN,
+    TARGET_PRESETS,
+    WINDOW_KINDS,
+)
 from spectrain_api.rundir import DRAFTER_DIR
 
 
@@ -129,10 +139,17 @@ class ExchangeSpec:
     engine: str = "Star"                 # how the replicas' weights are combined (names.EXCHANGE_ENGINES)
 
 
+# A field whose dataclass default the CRD must not write (scripts/crd_def.workload_defaults): its
+# default depends on other fields, resolved by `from_manifest` (which the apiserver's would pre-empt).
+NO_SCHEMA_DEFAULT = {"schema_default": False}
+
+
 @dataclass(kw_only=True)
 class DrafterSpec:
     enabled: bool = True
-    arch: str = "Eagle"
+    # Absent from the manifest: Eagle3 for a Hugging Face target in mode Pretrain, else Eagle
+    # (`default_arch`); this default serves JobConfig() built directly.
+    arch: str = field(default=EAGLE, metadata=NO_SCHEMA_DEFAULT)
     preset: str = "debug"
     activation: ActivationSpec = field(default_factory=ActivationSpec)
     gpu_share: GpuShareSpec = field(default_factory=GpuShareSpec)
@@ -140,6 +157,10 @@ class DrafterSpec:
     export: ExportSpec = field(default_factory=ExportSpec)
     exchange: ExchangeSpec = field(default_factory=ExchangeSpec)
     max_failures: int = 3
+    # arch Eagle3 only (spectrain_api.eagle3): None = the default there
+    feature_layers: list[int] | None = None      # featureLayers: three target layers whose inputs it fuses
+    draft_vocab_size: int | None = None          # draftVocabSize: default min(32768, the target's vocab)
+    ttt_steps: int = TTT_STEPS_DEFAULT           # tttSteps: training-time-test unroll steps
 
 
 @dataclass(kw_only=True)
@@ -189,16 +210,29 @@ def _dataclass_in(hint: Any) -> type | None:
     return None
 
 
+def default_arch(mode: str, target: TargetSpec) -> str:
+    """spec.drafter.arch when the manifest gives none: Eagle3 for a Hugging Face target
+    (spec.target.model.path) in mode Pretrain, the one mode whose stages publish the feature layers
+    it reads; Eagle otherwise (the presets keep EAGLE-1, as TLT trains it; mode RL's rollouts and
+    AsyncPipeline publish the final hidden state only)."""
+    return EAGLE3 if target.model.path is not None and mode == PRETRAIN else EAGLE
+
+
 def from_manifest(manifest: dict[str, Any]) -> JobConfig:
     """JobConfig from a SpecTrainJob object (or the rendered config file, same shape)."""
     spec = manifest.get("spec") or {}
     meta = manifest.get("metadata") or {}
+    mode = spec.get("mode", PRETRAIN)
+    target = _build(TargetSpec, spec.get("target") or {}, "spec.target")
+    drafter = _build(DrafterSpec, spec.get("drafter") or {}, "spec.drafter")
+    if (spec.get("drafter") or {}).get("arch") is None:
+        drafter.arch = default_arch(mode, target)
     cfg = JobConfig(
         name=meta.get("name", "local"),
         namespace=meta.get("namespace", "default"),
-        mode=spec.get("mode", "Pretrain"),
-        target=_build(TargetSpec, spec.get("target") or {}, "spec.target"),
-        drafter=_build(DrafterSpec, spec.get("drafter") or {}, "spec.drafter"),
+        mode=mode,
+        target=target,
+        drafter=drafter,
         seed=int(spec.get("seed", 0)),
     )
     return cfg

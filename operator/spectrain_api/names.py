@@ -29,11 +29,10 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 GPIPE, ONE_F_ONE_B, INTERLEAVED = SCHEDULES
 INTERLEAVED_CHUNKS = 2          # model chunks (virtual stages) per rank; API.md has no field for it
 WINDOW_KINDS = ("Bubble", "Communication", "Imbalance", "RolloutTail")
-DRAFTER_ARCHS = ("Eagle", "LM")
-EAGLE, LM = DRAFTER_ARCHS
-# The EAGLE-3 drafter (drafter/eagle3.py): exported, served and decoded with; jobs do not train it yet,
-# so the CRD does not offer it in DRAFTER_ARCHS.
-EAGLE3 = "Eagle3"
+# spec.drafter.arch: EAGLE-1 (one decoder layer on the final hidden state), a standalone LM, EAGLE-3
+# (three target feature layers fused, a draft vocabulary; rules in spectrain_api.eagle3)
+DRAFTER_ARCHS = ("Eagle", "LM", "Eagle3")
+EAGLE, LM, EAGLE3 = DRAFTER_ARCHS
 # spec.drafter.exchange.engine: the star through the exporting rank (drafter.fleet, authenticated) or
 # the gloo ring all-reduce on the drafters' own store (drafter.allreduce, unauthenticated transport)
 EXCHANGE_ENGINES = ("Star", "AllReduce")

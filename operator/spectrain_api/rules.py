@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spectrain_api import rundir, volumes
+from spectrain_api import eagle3, rundir, volumes
 from spectrain_api.config import JobConfig, preset_model_config
 from spectrain_api.errors import ConfigError
 from spectrain_api.names import (
@@ -22,11 +22,15 @@ from spectrain_api.names import (
     DRAFT_STRATEGIES,
     DRAFTER_ARCHS,
     DRAFTER_PRESETS,
+    EAGLE,
+    EAGLE3,
     EXCHANGE_ENGINES,
+    GPIPE,
     INTERLEAVED,
     INTERLEAVED_CHUNKS,
     MAX_DRAFT_TOKENS,
     MODES,
+    ONE_F_ONE_B,
     OPTIMIZERS,
     PRETRAIN,
     RL,
@@ -52,6 +56,7 @@ def check_spec(cfg: JobConfig) -> list[str]:
                    BASIS_GEOMETRIES)
     out += _one_of("spec.target.optimizer.basisRotation.source", t.optimizer.basis_rotation.source, BASIS_SOURCES)
     out += _one_of("spec.drafter.arch", d.arch, DRAFTER_ARCHS)
+    out += _eagle3_field_errors(cfg)
     out += _one_of("spec.drafter.preset", d.preset, DRAFTER_PRESETS)
     out += _one_of("spec.drafter.activation.policy", d.activation.policy, ACTIVATION_POLICIES)
     out += _kinds_errors(list(d.activation.kinds))
@@ -82,10 +87,57 @@ def check_spec(cfg: JobConfig) -> list[str]:
     except TypeError as exc:        # a wrong value type inside overrides
         return out + [f"spec.target.model.overrides: {exc}"]
     out += pipeline_errors(cfg, mcfg.n_layers)
+    out += eagle3_target_errors(cfg, mcfg.n_layers, mcfg.vocab_size)
     if t.data.seq_len > mcfg.max_seq_len:
         out.append(f"spec.target.data.seqLen: {t.data.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len} "
                    f"(preset {t.model.preset or DEFAULT_PRESET}); lower seqLen or set "
                    "spec.target.model.overrides.max_seq_len")
+    return out
+
+
+def _eagle3_field_errors(cfg: JobConfig) -> list[str]:
+    """The EAGLE-3 fields against the arch and the mode (the target's shape: eagle3_target_errors)."""
+    d = cfg.drafter
+    out: list[str] = []
+    if d.arch != EAGLE3:
+        for key, value in (("featureLayers", d.feature_layers), ("draftVocabSize", d.draft_vocab_size)):
+            if value is not None:
+                out.append(f"spec.drafter.{key}: only spec.drafter.arch: {EAGLE3} reads it (arch is {d.arch}); "
+                           f"remove it or set arch {EAGLE3}")
+    try:
+        eagle3.check_ttt_steps(d.ttt_steps)
+    except ConfigError as exc:
+        out.append(str(exc))
+    if d.arch == EAGLE3 and cfg.mode in (RL, ASYNC_PIPELINE):
+        out.append(f"spec.drafter.arch: {EAGLE3} trains in mode {PRETRAIN} (its stages publish the feature "
+                   f"layers); mode {RL}'s rollout engine and {ASYNC_PIPELINE} publish the final hidden state only: "
+                   f"use arch {EAGLE}")
+    if d.arch == EAGLE3 and cfg.mode == PRETRAIN and cfg.target.parallelism.schedule == INTERLEAVED:
+        out.append(f"spec.target.parallelism.schedule: arch {EAGLE3} does not train under {INTERLEAVED} (a rank "
+                   "runs several model chunks and another microbatch's forward can come between them, so its "
+                   f"feature layers cannot be matched per microbatch); use schedule {ONE_F_ONE_B} or {GPIPE}, "
+                   f"or arch {EAGLE}")
+    return out
+
+
+def eagle3_target_errors(cfg: JobConfig, n_layers: int | None, vocab_size: int | None) -> list[str]:
+    """spec.drafter.featureLayers / draftVocabSize of an arch Eagle3 drafter against the target's layer
+    count and vocabulary, each when known (a preset here; a Hugging Face target where its config.json
+    is read: the workloads call the same spectrain_api.eagle3 rules). [] for any other arch."""
+    d = cfg.drafter
+    if d.arch != EAGLE3:
+        return []
+    out: list[str] = []
+    if n_layers is not None:
+        try:
+            eagle3.feature_layers(d, n_layers)
+        except ConfigError as exc:
+            out.append(str(exc))
+    if vocab_size is not None:
+        try:
+            eagle3.resolve_draft_vocab_size(d.draft_vocab_size, vocab_size)
+        except ConfigError as exc:
+            out.append(str(exc))
     return out
 
 

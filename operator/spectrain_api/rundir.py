@@ -26,6 +26,12 @@ _RANKED = re.compile(r"-rank-(\d+)\.[a-z]+$")
 PathLike = str | os.PathLike[str]
 
 
+def target_hf(run_dir: PathLike) -> Path:
+    """`target/hf/`: an HF target's trained model in Hugging Face's layout (the EAGLE-3 exports'
+    verifier)."""
+    return Path(run_dir) / "target" / "hf"
+
+
 def drafter_dir(run_dir: PathLike) -> Path:
     return Path(run_dir) / DRAFTER_DIR
 

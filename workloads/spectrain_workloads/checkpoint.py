@@ -117,11 +117,16 @@ class CheckpointManager:
 
 
 def save_shared(run_dir: str | os.PathLike[str], *, embedding: torch.Tensor | None = None,
-                lm_head: torch.Tensor | None = None, model_config: dict[str, Any] | None = None) -> None:
-    """Rewrite the drafter's shared embedding / LM head ("weight" [V, H]) atomically."""
+                lm_head: torch.Tensor | None = None, model_config: dict[str, Any] | None = None,
+                token_counts: torch.Tensor | None = None) -> None:
+    """Rewrite the drafter's shared embedding / LM head ("weight" [V, H]) atomically; token_counts
+    [V] int64 ("counts"): the job's data, from which an EAGLE-3 drafter picks its draft vocabulary."""
     from safetensors.torch import save_file
 
     shared = Path(run_dir) / "target" / "shared"
+    if token_counts is not None:   # before the model config: the drafter starts once that exists
+        c = token_counts.detach().to("cpu", torch.int64).contiguous()
+        atomic_write(shared / "token_counts.safetensors", lambda p: save_file({"counts": c}, str(p)))
     if embedding is not None:
         w = embedding.detach().to("cpu", copy=True).contiguous()
         atomic_write(shared / "embedding.safetensors", lambda p: save_file({"weight": w}, str(p)))

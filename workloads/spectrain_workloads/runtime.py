@@ -155,13 +155,14 @@ def select_device(opts: TargetOptions, rank: RankInfo) -> torch.device:
 RING_BUDGET_BYTES = 192 << 20     # data slots of one rank's ring at most (a memory-backed volume)
 
 
-def ring_layout(*, hidden_dim: int, seq_len: int, publishes: bool) -> Any:
+def ring_layout(*, hidden_dim: int, seq_len: int, publishes: bool, width: int = 1) -> Any:
     """The ring of a rank: ranks that publish hidden states get data slots of one sequence each
-    (hidden [T, H] fp32 + tokens [T] int64 + meta), 4..32 of them within RING_BUDGET_BYTES."""
+    (`width` arrays [T, H] fp32: the final hidden and/or EAGLE-3 features, + tokens [T] int64 +
+    meta), 4..32 of them within RING_BUDGET_BYTES."""
     from spectrain_workloads.ring import RingLayout
 
     mib = 1 << 20
-    need = seq_len * hidden_dim * 4 + seq_len * 8 + 64 * 1024
+    need = seq_len * hidden_dim * 4 * width + seq_len * 8 + 64 * 1024
     slot = max(mib, -(-need // mib) * mib) if publishes else 64 * 1024
     return RingLayout(data_slots=max(4, min(32, RING_BUDGET_BYTES // slot)), data_slot_bytes=slot)
 
@@ -211,7 +212,7 @@ class Runtime:
             mine = int(buf.item())
         return None if mine < 0 else mine
 
-    def ring_producer(self, *, hidden_dim: int, seq_len: int, publishes: bool) -> Any:
+    def ring_producer(self, *, hidden_dim: int, seq_len: int, publishes: bool, width: int = 1) -> Any:
         """The ring of this local rank (None when the drafter is off). Ranks that publish hidden
         states get data slots of one sequence: hidden [T, H] fp32 + tokens [T] + meta."""
         if not self.opts.drafter_enabled or self.opts.ring_dir is None:
@@ -219,13 +220,15 @@ class Runtime:
         from spectrain_workloads.ring import RingProducer, ring_path
 
         return RingProducer.create(ring_path(self.opts.ring_dir, self.rank.local_rank),
-                                   layout=ring_layout(hidden_dim=hidden_dim, seq_len=seq_len, publishes=publishes),
+                                   layout=ring_layout(hidden_dim=hidden_dim, seq_len=seq_len, publishes=publishes,
+                                                                  width=width),
                                    rank=self.rank.rank)
 
     def save_shared(self, *, embedding: torch.Tensor | None = None, lm_head: torch.Tensor | None = None,
-                    model_config: dict[str, Any] | None = None) -> None:
+                    model_config: dict[str, Any] | None = None, token_counts: torch.Tensor | None = None) -> None:
         """The drafter's copies of the target's embedding / LM head (docs/contracts.md)."""
-        save_shared(self.opts.run_dir, embedding=embedding, lm_head=lm_head, model_config=model_config)
+        save_shared(self.opts.run_dir, embedding=embedding, lm_head=lm_head, model_config=model_config,
+                    token_counts=token_counts)
 
     def terminator(self, emergency_save: Callable[[], None]) -> Terminator:
         return Terminator(self.opts.term_grace_s, emergency_save)

@@ -20,7 +20,7 @@ from torch import nn
 
 from spectrain_api.config import JobConfig, ModelConfig, preset_model_config
 from spectrain_api.errors import ConfigError
-from spectrain_api.rules import pipeline_errors
+from spectrain_api.rules import eagle3_target_errors, pipeline_errors
 from spectrain_workloads.hf.source import ModelDir
 
 
@@ -82,7 +82,8 @@ def resolve_target(cfg: JobConfig, *, data_root: str | None = None) -> TargetMod
     source = inspect(model.path, data_root=data_root)
     hf = hf_config(source.config)
     mcfg = source.model_config
-    errors = pipeline_errors(cfg, source.n_layers)
+    errors = pipeline_errors(cfg, source.n_layers) + eagle3_target_errors(cfg, source.n_layers,
+                                                                          source.model_config.vocab_size)
     seq = cfg.target.data.seq_len
     if seq > mcfg.max_seq_len:
         errors.append(f"spec.target.data.seqLen: {seq} exceeds the model's max_position_embeddings "

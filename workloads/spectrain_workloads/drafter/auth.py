@@ -50,7 +50,7 @@ MAX_UID_BYTES = 256
 HANDSHAKE_TIMEOUT_S = 3.0        # a connection that has not authenticated by then is closed
 _HELLO = struct.Struct(">8sHIQH")                  # magic, version, rank, generation, UID length
 PREFIX = struct.Struct(">QBIQ")                    # seq, kind, header length, payload length
-KINDS = {"sample": 1, "contrib": 2, "combined": 3, "hello": 4}
+KINDS = {"sample": 1, "contrib": 2, "combined": 3, "hello": 4, "part": 5}
 KIND_NAMES = {v: k for k, v in KINDS.items()}
 
 

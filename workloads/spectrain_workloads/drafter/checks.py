@@ -4,7 +4,9 @@ Pure functions over headers and tensors; each failure raises links.Rejected with
 counted under (`exchangeRejectedByCause`). A peer holds the job's key (drafter.auth) but may still
 be broken or compromised, so nothing it sends is trusted to be shaped, finite or honest:
 - a sample must be what the target publishes: tokens [T] int64 with 0 <= id < vocab, hidden
-  [T, H] with the target's H in a floating dtype, all finite, 1 <= T <= the target's max_seq_len;
+  [T, w * H] with the target's H (w: 1, or 4 for an EAGLE-3 sample: three feature layers and the
+  final hidden state) in a floating dtype, all finite, 1 <= T <= the target's max_seq_len; an
+  EAGLE-3 part is the same with w = its 1..3 feature layers, named in its header;
 - weights must be the local model's table exactly (names, shapes, dtypes), all finite, and an
   update no larger than UPDATE_NORM_FACTOR x the local model's norm (`update_ok`);
 - claimed work is credited at most at the rate of wall time (`credit_limit_s`);
@@ -40,16 +42,18 @@ ParamTable = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 @dataclass(frozen=True)
 class TargetSpec:
-    """What the target publishes: its vocabulary, hidden width H and longest sequence."""
+    """What the target publishes: its vocabulary, hidden width H and longest sequence; `width`:
+    how many [T, H] blocks a sample's hidden holds (eagle3_assembly.SAMPLE_WIDTH for EAGLE-3)."""
 
     vocab: int
     hidden: int
     max_tokens: int
+    width: int = 1
 
     @property
     def sample_bytes(self) -> int:
-        """Largest sample payload: tokens [T] int64 + hidden [T, H] float32 at T = max_tokens."""
-        return self.max_tokens * (8 + self.hidden * MAX_SAMPLE_ELEMENT_BYTES)
+        """Largest sample payload: tokens [T] int64 + hidden [T, w * H] float32 at T = max_tokens."""
+        return self.max_tokens * (8 + self.width * self.hidden * MAX_SAMPLE_ELEMENT_BYTES)
 
     @classmethod
     def from_run_dir(cls, run_dir: str | Path) -> TargetSpec:
@@ -87,33 +91,53 @@ def field(header: Mapping[str, Any], name: str, kind: Any, *, low: float | None 
 
 def sample_arrays(header: Mapping[str, Any], payload: bytes | bytearray,
                   spec: TargetSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(tokens [T] int64, hidden [T, H] or None) of a sample frame, its layout checked against
+    """(tokens [T] int64, hidden [T, w * H] or None) of a sample frame, its layout checked against
     the target's before anything is cut out of the payload."""
+    return _arrays(header, payload, spec, spec.width, hidden_optional=True)
+
+
+def part_arrays(header: Mapping[str, Any], payload: bytes | bytearray, spec: TargetSpec,
+                layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(tokens [T], features [T, n * H], its layer ids) of an EAGLE-3 part frame: n = 1..3 of the
+    drafter's feature `layers`, increasing."""
+    got = header.get("layers")
+    if not isinstance(got, list) or not got or any(not isinstance(i, int) or isinstance(i, bool) for i in got) \
+            or any(i not in layers for i in got) or sorted(set(got)) != got:
+        raise Rejected("header", f"layers {got!r} are not increasing ids among the drafter's {list(layers)}")
+    tokens, features = _arrays(header, payload, spec, len(got), hidden_optional=False)
+    assert features is not None
+    return tokens, features, tuple(got)
+
+
+def _arrays(header: Mapping[str, Any], payload: bytes | bytearray, spec: TargetSpec, width: int, *,
+            hidden_optional: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     shapes, dtypes = header.get("shapes"), header.get("dtypes")
+    counts = (1, 2) if hidden_optional else (2,)
     if not isinstance(shapes, list) or not isinstance(dtypes, list) or len(shapes) != len(dtypes) \
-            or len(shapes) not in (1, 2) or not all(isinstance(s, list) and all(isinstance(d, int) and
-                                                                                  not isinstance(d, bool)
-                                                                                  for d in s) for s in shapes):
-        raise Rejected("shape", "shapes/dtypes are not one or two arrays")
+            or len(shapes) not in counts or not all(isinstance(s, list) and all(isinstance(d, int) and
+                                                                                 not isinstance(d, bool)
+                                                                                 for d in s) for s in shapes):
+        raise Rejected("shape", f"shapes/dtypes are not {' or '.join(map(str, counts))} arrays")
     if len(shapes[0]) != 1 or dtypes[0] != "int64":
         raise Rejected("shape", "tokens must be [T] int64")
     T = shapes[0][0]
     if not 1 <= T <= spec.max_tokens:
         raise Rejected("shape", f"T = {T} outside 1..{spec.max_tokens}")
+    W = width * spec.hidden
     sizes = [T * 8]
     if len(shapes) == 2:
-        if shapes[1] != [T, spec.hidden]:
-            raise Rejected("shape", f"hidden {shapes[1]}, the target's is [{T}, {spec.hidden}]")
+        if shapes[1] != [T, W]:
+            raise Rejected("shape", f"hidden {shapes[1]}, the target's is [{T}, {W}]")
         if dtypes[1] not in SAMPLE_DTYPES:
             raise Rejected("dtype", f"hidden dtype {dtypes[1]!r}")
-        sizes.append(T * spec.hidden * SAMPLE_DTYPES[dtypes[1]].itemsize)
+        sizes.append(T * W * SAMPLE_DTYPES[dtypes[1]].itemsize)
     if sum(sizes) != len(payload):
         raise Rejected("shape", f"payload of {len(payload)} bytes, the shapes need {sum(sizes)}")
     buf = payload if isinstance(payload, bytearray) else bytearray(payload)
     tokens = torch.frombuffer(buf, dtype=torch.int64, count=T)
     hidden = None
     if len(shapes) == 2:
-        hidden = torch.frombuffer(buf, dtype=SAMPLE_DTYPES[dtypes[1]], offset=sizes[0]).reshape(T, spec.hidden)
+        hidden = torch.frombuffer(buf, dtype=SAMPLE_DTYPES[dtypes[1]], offset=sizes[0]).reshape(T, W)
     check_sample(tokens, hidden, spec)
     return tokens, hidden
 

@@ -56,37 +56,20 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from spectrain_api.eagle3 import (  # defined once, re-exported
+    TTT_STEPS_DEFAULT,
+    check_feature_layers,
+    default_feature_layers,
+)
 from spectrain_api.errors import ConfigError
 from spectrain_api.names import EAGLE3
 
 KV = tuple[torch.Tensor, torch.Tensor]   # keys, values [B, n_kv, S, d] (RoPE applied)
 STEP_DECAY = 0.8                         # SpecForge's ploss_weight = [0.8**i ...]
-TTT_STEPS = 3                            # speculators' `ttt_steps` default
+TTT_STEPS = TTT_STEPS_DEFAULT            # speculators' `ttt_steps` default (spec.drafter.tttSteps)
 
 
 # ---------------------------------------------------------------- configuration
-
-def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
-    """(2, L//2, L-3): speculators `models/utils.py resolve_target_layer_ids`, SGLang's
-    `set_eagle3_layers_to_capture(None)` and vLLM's `get_eagle3_aux_hidden_state_layers` default,
-    all "residual stream before layer i" (= transformers hidden_states[i])."""
-    layers = (2, num_layers // 2, num_layers - 3)
-    check_feature_layers(layers, num_layers, field="default feature layers")
-    return layers
-
-
-def check_feature_layers(layers: Sequence[int], num_layers: int, field: str = "featureLayers") -> tuple[int, int, int]:
-    """Three strictly increasing layer ids in [0, L): the engines concatenate the captured
-    states in layer order, so fc's three input blocks are [low, mid, high] whatever the config
-    lists; L itself (transformers' last hidden_states entry) carries the final norm, not the
-    residual stream."""
-    ids = tuple(int(x) for x in layers)
-    if len(ids) != 3 or not all(0 <= x < num_layers for x in ids) or not ids[0] < ids[1] < ids[2]:
-        raise ConfigError(f"{field} {list(ids)}: EAGLE-3 needs three strictly increasing target layers "
-                          f"in [0, {num_layers}) (a target of {num_layers} layers); "
-                          "the default (2, L//2, L-3) needs L >= 7")
-    return ids[0], ids[1], ids[2]
-
 
 def eagle3_layer_config(target: Any) -> LlamaConfig:
     """The drafter layer's LlamaConfig from the target's transformers config (any Llama-family
@@ -303,9 +286,10 @@ class TTTResult:
 
 def ttt_loss(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: torch.Tensor, target_logits: torch.Tensor,
              *, steps: int = TTT_STEPS, step_decay: float = STEP_DECAY, loss: Literal["kl", "ce"] = "kl",
-             loss_mask: torch.Tensor | None = None) -> TTTResult:
+             loss_mask: torch.Tensor | None = None, restricted: bool = False) -> TTTResult:
     """The unrolled loss on one target forward. features [B, T, 3H] (at positions 0..T-1),
-    input_ids [B, T] (x_0..x_{T-1}), target_logits [B, T, V] (the target's, predicting x_{t+1}),
+    input_ids [B, T] (x_0..x_{T-1}), target_logits [B, T, V] (the target's, predicting x_{t+1};
+    with `restricted` already [B, T, Vd], the draft vocabulary's columns in draft-id order),
     loss_mask [B, T] over the target positions (None: all).
 
     Row i of step k predicts the token after x_{i+1+k}, scored against target_logits[:, i+1+k]
@@ -317,7 +301,7 @@ def ttt_loss(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: torch.Te
     N = T - 1
     step_logits = drafter.unroll(features[:, :N], input_ids[:, 1:], steps)
     with torch.no_grad():
-        targets = drafter.restrict(target_logits.float())                         # [B, T, Vd]
+        targets = target_logits.float() if restricted else drafter.restrict(target_logits.float())   # [B, T, Vd]
     total, weights, losses, agree = features.new_zeros((), dtype=torch.float32), 0.0, [], []
     for k, logits in enumerate(step_logits):
         s_logits = logits[:, :N - k].float()                                       # [B, N-k, Vd]

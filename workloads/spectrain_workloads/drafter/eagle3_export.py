@@ -199,10 +199,13 @@ def _config(d: Path) -> dict[str, Any]:
 
 
 def find_eagle3(path: str | os.PathLike[str]) -> Path | None:
-    """The speculators directory of an EAGLE-3 export given it or the export root holding it; None
-    when `path` is neither (another kind of drafter export). The sglang directory is refused."""
+    """The speculators directory of an EAGLE-3 export given it, the version directory holding it
+    or a job's export root (its LATEST version); None when `path` is none of these (another kind of
+    drafter export). The sglang directory is refused."""
     p = Path(path)
-    for d in (p, p / SPECULATORS):
+    latest = p / "LATEST"
+    version = p / latest.read_text().strip() if latest.is_file() else p
+    for d in (p, version / SPECULATORS):
         if _config(d).get("speculators_model_type") == "eagle3":
             return d
     if _config(p).get("architectures") == [SGLANG_ARCH]:

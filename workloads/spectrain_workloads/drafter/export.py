@@ -44,7 +44,7 @@ from torch import nn
 from spectrain_api import rundir
 from spectrain_api.errors import ConfigError
 from spectrain_api.fsio import atomic_dir, atomic_write_text
-from spectrain_api.names import EAGLE, LM
+from spectrain_api.names import EAGLE, EAGLE3, LM
 from spectrain_workloads.drafter.models import EagleDrafter
 from spectrain_workloads.model import ModelConfig, Transformer
 
@@ -231,14 +231,20 @@ def _digests(d: Path) -> dict[str, str]:
 
 
 def export_drafter(export_dir: str | os.PathLike[str], version: int | None, module: nn.Module,
-                   meta: dict[str, Any], *, keep: int = 3) -> Path:
+                   meta: dict[str, Any], *, keep: int = 3, verifier_path: str = "") -> Path:
     """Write v<version>/{model.safetensors, config.json} and point LATEST at it.
 
+    An EAGLE-3 drafter of a Hugging Face target also gets its serving layouts, sglang/ and
+    speculators/ (drafter.eagle3_export; `verifier_path`: the target the speculators config names).
     `version` None: the next free number. Raises ExportRefused (nothing written) for a version at or
     below the root's high-water mark or for weights that are not all finite."""
     root = Path(export_dir)
-    arch = "Eagle" if isinstance(module, EagleDrafter) else "LM"
-    cfg: ModelConfig = module.cfg  # type: ignore[assignment]
+    eagle3 = getattr(module, "arch", None) == EAGLE3
+    arch = EAGLE3 if eagle3 else EAGLE if isinstance(module, EagleDrafter) else LM
+    if eagle3:   # its own config is a LlamaConfig; model_config stays the target's (the worker's meta)
+        cfg = ModelConfig(**meta["target_model_config"])
+    else:
+        cfg = module.cfg  # type: ignore[assignment]
     # checked on the host copy that is written: no kernels on the device the target trains on
     tensors = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
     bad = nonfinite_tensors(tensors)
@@ -253,14 +259,23 @@ def export_drafter(export_dir: str | os.PathLike[str], version: int | None, modu
         atomic_write_text(root / HIGH_WATER, json.dumps({"high_water": version}) + "\n")   # reserved first
         config = {**meta, "format": FORMAT, "arch": arch, "version": version, "model_config": cfg.to_dict(),
                   "vocab_size": cfg.vocab_size, "exported_at": time.time()}
-        if hasattr(module, "target_config"):   # hf_eagle.HFEagleDrafter: rebuilt from the target's config.json
-            config["hf_target_config"] = module.target_config
+        hf_target = getattr(module, "hf_target_config", None) if eagle3 else getattr(module, "target_config", None)
+        if hf_target is not None:   # an HF target's drafter (hf_eagle / eagle3): its config.json
+            config["hf_target_config"] = hf_target
+        if eagle3:
+            config["eagle3"] = {"feature_layers": list(module.feature_layers),      # type: ignore[attr-defined]
+                                "draft_vocab_size": int(module.draft_vocab_size),  # type: ignore[attr-defined]
+                                "layer_config": module.cfg.to_dict()}              # type: ignore[union-attr]
 
         def fill(tmp: Path) -> None:
             from safetensors.torch import save_file
 
             save_file(tensors, str(tmp / "model.safetensors"))
-            if hasattr(module, "target_config"):   # beside it, the layouts vLLM and SGLang load (docs/serving.md)
+            if hf_target is not None and eagle3:   # beside it, the layouts vLLM and SGLang load (docs/serving.md)
+                from spectrain_workloads.drafter.eagle3_export import export_eagle3
+
+                export_eagle3(tmp, module, target_config=hf_target, target_path=verifier_path)  # type: ignore[arg-type]
+            elif hf_target is not None:
                 from spectrain_workloads.drafter.serving_export import export_serving
 
                 export_serving(tmp, module)   # type: ignore[arg-type]

@@ -5,7 +5,9 @@ Ranks are the target's: rank r is pipeline stage r % P of data-parallel replica 
 Samples. Only the last stage's ring carries hidden states. Its drafter forwards every sequence it
 reads (already a uniform sample of each microbatch, `SPECTRAIN_PUBLISH_FRACTION`) to the drafters
 of the other P - 1 stages of its replica, so every stage trains on a uniform sample of the global
-batch. Frames are droppable: past the bandwidth cap or a slow receiver's queue they are dropped
+batch. For an EAGLE-3 drafter the other stages' rings carry feature parts; their drafters send
+each part to the last stage's drafter (`send_part`), which assembles the samples
+(drafter.eagle3_assembly) and forwards them as above. Frames are droppable: past the bandwidth cap or a slow receiver's queue they are dropped
 (counted), never queued without bound; a receiver keeps at most `inbox_bytes` not yet taken.
 
 Weights: every `combine_every_s` each drafter's parameters are averaged into one combined version
@@ -26,6 +28,7 @@ item is dropped and counted by cause (`stats.rejected()`); a bad frame never end
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import threading
 import time
@@ -36,6 +39,7 @@ import torch
 
 from spectrain_workloads.drafter import checks
 from spectrain_workloads.drafter.auth import Identity, Session
+from spectrain_workloads.drafter.eagle3_assembly import SAMPLE_WIDTH
 from spectrain_workloads.drafter.fleet_records import (
     Combined,
     Contribution,
@@ -62,6 +66,9 @@ class Fleet(StarWeights):
         self.members_seen: set[int] = set()            # coordinator: ranks that ever contributed
         self.inbox: collections.deque[tuple[Frame, int]] = collections.deque()   # samples, checked when taken
         self.inbox_bytes = 0
+        self.parts: collections.deque[tuple[Frame, int]] = collections.deque()   # EAGLE-3 parts, likewise
+        self.parts_bytes = 0
+        self.feature_layers: tuple[int, ...] = ()      # EAGLE-3 (`use_features`)
         self.contributions: dict[int, Contribution] = {}
         # coordinator: per rank, the work and samples of its process already in a combined version. A
         # contribution carries the sender's cumulative work, so one replaced in a send queue or
@@ -83,12 +90,19 @@ class Fleet(StarWeights):
         self.server = Server([(h, port) for h in cfg.bind_hosts], self, self.stats, ident=self.ident,
                              rank=cfg.rank, world=cfg.world, max_conns=cfg.max_conns)
 
+    def use_features(self, layers: tuple[int, ...]) -> None:
+        """An EAGLE-3 drafter (before `expect`): samples are [T, 4H]; parts of `layers` go to the
+        replica's last stage (cfg.assembler)."""
+        self.feature_layers = tuple(layers)
+
     def expect(self, params: Mapping[str, torch.Tensor], target: checks.TargetSpec | None = None) -> None:
         """The local model exists: what received weights and samples are checked against (the
         target from the config, else from its shared model config in run_dir)."""
         spec = target or self.cfg.target
         if spec is None and self.cfg.run_dir is not None:
             spec = checks.TargetSpec.from_run_dir(self.cfg.run_dir)
+        if spec is not None and self.feature_layers:
+            spec = dataclasses.replace(spec, width=SAMPLE_WIDTH)
         with self.lock:
             self.table, self.target = checks.param_table(params), spec
 
@@ -103,6 +117,8 @@ class Fleet(StarWeights):
     def cap(self, kind: str) -> int:
         if kind == "sample":
             return min(self.cfg.inbox_bytes, self.target.sample_bytes) if self.target else self.cfg.inbox_bytes
+        if kind == "part":     # at most 3 feature layers: the width of a sample less its final hidden
+            return min(self.cfg.inbox_bytes, self.target.sample_bytes) if self.target else self.cfg.inbox_bytes
         if kind in ("contrib", "combined"):
             return checks.table_bytes(self.table) if self.table is not None else WEIGHTS_CAP_UNKNOWN
         return 0                                        # hello: its header says everything
@@ -116,6 +132,9 @@ class Fleet(StarWeights):
         if kind == "sample":
             return ("role" if peer.peer_rank not in self.cfg.sample_sources
                     else "not_ready" if self.target is None else None)
+        if kind == "part":     # from the other stages of this replica, to its assembler only
+            return ("role" if self.cfg.rank != self.cfg.assembler or peer.peer_rank not in self.cfg.sample_ranks
+                    else "not_ready" if self.target is None or not self.feature_layers else None)
         if kind == "contrib":
             return "role" if not self.is_coordinator else "not_ready" if self.table is None else None
         if kind == "hello":
@@ -138,6 +157,8 @@ class Fleet(StarWeights):
     def handle(self, f: Frame, peer: Session) -> None:
         if f.kind == "sample":
             self._on_sample(f, peer)
+        elif f.kind == "part":
+            self._on_part(f, peer)
         elif f.kind == "contrib":
             self._on_contrib(f, peer)
         elif f.kind == "combined":
@@ -193,8 +214,53 @@ class Fleet(StarWeights):
             self.inbox_bytes += size
         self.stats.add(samples_received=1)
 
+    # ------------------------------------------------------------ EAGLE-3 parts
+    def send_part(self, tokens: torch.Tensor, features: torch.Tensor, layers: tuple[int, ...], step: int,
+                  seq_index: int) -> None:
+        """One stage's part of a sequence (tokens [T] int64, features [T, len(layers) * H] in the
+        target's dtype) to the replica's assembler; droppable like a sample."""
+        arrays = [tokens.to(torch.int64).contiguous(), features.contiguous()]
+        header = {"rank": self.cfg.rank, "step": step, "seq_index": seq_index, "layers": list(layers),
+                  "shapes": [list(a.shape) for a in arrays],
+                  "dtypes": [str(a.dtype).removeprefix("torch.") for a in arrays]}
+        self._link(self.cfg.assembler).send(Frame("part", header, b"".join(raw_bytes(a) for a in arrays)))
+        self.stats.add(parts_sent=1)
+
+    def take_parts(self, limit: int) -> list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int, int]]:
+        """Up to `limit` received parts: (tokens [T], features [T, n * H], layers, step, seq_index),
+        each checked now (MAC, then drafter.checks.part_arrays)."""
+        out: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int, int]] = []
+        while len(out) < limit:
+            with self.lock:
+                if not self.parts:
+                    break
+                f, _rank = self.parts.popleft()
+                self.parts_bytes -= len(f.payload)
+            try:
+                if f.verify is not None and not f.verify():
+                    raise Rejected("mac", "payload MAC does not verify")
+                assert self.target is not None
+                tokens, features, layers = checks.part_arrays(f.header, f.payload, self.target,
+                                                              self.feature_layers)
+                out.append((tokens, features, layers, checks.field(f.header, "step", int),
+                            checks.field(f.header, "seq_index", int, low=0)))
+            except Rejected as exc:
+                self.stats.reject(exc.cause)
+        return out
+
+    def _on_part(self, f: Frame, peer: Session) -> None:
+        size = len(f.payload)
+        with self.lock:
+            while self.parts and self.parts_bytes + size > self.cfg.inbox_bytes:
+                old, _ = self.parts.popleft()
+                self.parts_bytes -= len(old.payload)
+                self.stats.add(parts_dropped=1)
+            self.parts.append((f, peer.peer_rank))
+            self.parts_bytes += size
+        self.stats.add(parts_received=1)
+
     def defer(self, kind: str) -> bool:
-        return kind == "sample"
+        return kind in ("sample", "part")
 
     def close(self) -> None:
         self.server.close()

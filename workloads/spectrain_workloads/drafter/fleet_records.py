@@ -105,6 +105,11 @@ class FleetConfig:
     engine: str = "Star"              # names.EXCHANGE_ENGINES: AllReduce sends no weights through the star
     store: tuple[str, int] | None = None   # AllReduce: the drafters' TCPStore (`store_address`)
 
+    @property
+    def assembler(self) -> int:
+        """The rank assembling this replica's EAGLE-3 samples: its last stage's."""
+        return self.rank - self.rank % self.pipeline + self.pipeline - 1
+
     def __post_init__(self) -> None:
         P = self.pipeline
         if not self.sample_ranks and self.rank % P == P - 1:

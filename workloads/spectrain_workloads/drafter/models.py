@@ -173,6 +173,7 @@ class TargetShared:
     digest: str                  # sha256 of the target model config (the export records it)
     stamp: tuple[int, ...]       # mtimes of the files: a change means the target rewrote them
     hf_config: dict[str, Any] | None = None   # an HF target's config.json (target_model.TargetModel.shared_config)
+    token_counts: torch.Tensor | None = None  # [V] int64: the job's data (EAGLE-3's draft vocabulary), if written
 
 
 def shared_dir(run_dir: str | os.PathLike[str]) -> Path:
@@ -209,10 +210,12 @@ def load_target_shared(run_dir: str | os.PathLike[str]) -> TargetShared | None:
         head = load_file(str(d / "lm_head.safetensors"))["weight"]
     except FileNotFoundError:
         return None  # replaced between stat and open: the caller asks again
+    counts_file = d / "token_counts.safetensors"
+    counts = load_file(str(counts_file))["counts"] if counts_file.exists() else None
     known = set(ModelConfig.__dataclass_fields__)
     cfg = ModelConfig(**{k: v for k, v in raw.items() if k in known})
     return TargetShared(embedding=emb.float(), lm_head=head.float(), model_config=cfg, digest=config_digest(raw),
-                        stamp=stamp, hf_config=raw.get("hf_config"))
+                        stamp=stamp, hf_config=raw.get("hf_config"), token_counts=counts)
 
 
 def wait_target_shared(run_dir: str | os.PathLike[str], *, timeout_s: float | None = None,

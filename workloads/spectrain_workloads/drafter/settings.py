@@ -34,6 +34,11 @@ class DrafterSettings:
     lm_dim: int = 32
     lm_layers: int = 1
     lm_heads: int = 2
+    # EAGLE-3 (spec.drafter.featureLayers / draftVocabSize / tttSteps); None: the defaults of
+    # spectrain_api.eagle3, resolved against the target's layer count and vocabulary
+    feature_layers: list[int] | None = None
+    draft_vocab_size: int | None = None
+    ttt_steps: int = 3
     # combiner
     samples_per_step: int = 8           # sequences per optimizer step (accumulated across windows)
     max_micro_batch: int = 8
@@ -83,7 +88,8 @@ class DrafterSettings:
         if self.hidden_loss_weight + self.ce_loss_weight == 0:
             raise ConfigError("drafter loss weights are all 0; set hidden_loss_weight or ce_loss_weight > 0")
         for name in ("lm_dim", "lm_layers", "lm_heads", "samples_per_step", "max_micro_batch", "max_reuse",
-                     "seq_cap", "eval_every", "eval_samples", "verify_k", "verify_batch", "keep_checkpoints"):
+                     "seq_cap", "eval_every", "eval_samples", "verify_k", "verify_batch", "keep_checkpoints",
+                     "ttt_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"drafter setting {name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.export_acceptance_floor < 100:
@@ -109,6 +115,8 @@ class DrafterSettings:
             arch=spec.arch, preset=spec.preset, policy=act.policy, kinds=list(act.kinds),
             min_window_ms=float(act.min_window_ms), safety_margin_ms=float(act.safety_margin_ms),
             lr=float(spec.optimizer.lr), seed=seed,
+            feature_layers=None if spec.feature_layers is None else [int(i) for i in spec.feature_layers],
+            draft_vocab_size=spec.draft_vocab_size, ttt_steps=int(spec.ttt_steps),
         )
         return cls(**{**base, **DRAFTER_PRESETS[spec.preset], **overrides})
 

@@ -23,6 +23,7 @@ Work is split into chunks of a few sequences, batched, so the gate can fit verif
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -68,7 +69,7 @@ class Acceptance:
                 "acceptance_length": self.acceptance_length, "chains": self.chains, "positions": self.top1_total}
 
 
-def _starts(T: int, k: int, max_starts: int) -> list[int]:
+def chain_starts(T: int, k: int, max_starts: int) -> list[int]:
     """Evenly spread chain starts t with t + k <= T - 1, chains not overlapping."""
     last = T - 1 - k
     if last < 0:
@@ -111,7 +112,7 @@ def measure_batch(model: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor |
     acc.top1_total += int(want.numel())
 
     # k-token greedy chains with the drafter's KV cache, prefilling the true prefix incrementally
-    starts = _starts(T, k, max_starts)
+    starts = chain_starts(T, k, max_starts)
     if not starts:
         return acc
     model.setup_caches(B, T)
@@ -187,8 +188,10 @@ class Verifier:
     """A verification round split into chunks of up to `batch` sequences of one length (each chunk a
     gated task of its own)."""
 
-    def __init__(self, *, k: int, max_starts: int = 4, batch: int = 1) -> None:
+    def __init__(self, *, k: int, max_starts: int = 4, batch: int = 1, measure: Callable[..., Acceptance] | None = None,
+                 ) -> None:
         self.k, self.max_starts, self.batch = k, max_starts, batch
+        self.measure = measure or measure_batch     # eagle3_tasks.measure_batch for an EAGLE-3 drafter
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._acc = Acceptance(k=k, per_depth=[0] * k)
         self.last: Acceptance | None = None
@@ -218,7 +221,7 @@ class Verifier:
         taken = self._take()
         tokens = torch.stack([t for t, _ in taken])
         hidden = None if taken[0][1] is None else torch.stack([h for _, h in taken])   # type: ignore[misc]
-        self._acc.merge(measure_batch(model, tokens, hidden, target_head, k=self.k, max_starts=self.max_starts))
+        self._acc.merge(self.measure(model, tokens, hidden, target_head, k=self.k, max_starts=self.max_starts))
         if self._pending:
             return None
         self.last, self.rounds = self._acc, self.rounds + 1

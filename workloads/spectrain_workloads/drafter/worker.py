@@ -36,6 +36,7 @@ from spectrain_workloads import nvml
 from spectrain_workloads.drafter import export as ex
 from spectrain_workloads.drafter.combiner import BatchCombiner, SampleBuffer
 from spectrain_workloads.drafter.control import REASON_DISABLED
+from spectrain_workloads.drafter.eagle3_assembly import FeatureAssembler
 from spectrain_workloads.drafter.fleet import Fleet
 from spectrain_workloads.drafter.gating import CostModel, Gate, WindowTracker
 from spectrain_workloads.drafter.metrics import Metrics
@@ -91,6 +92,8 @@ class Worker(WindowWork, ExportGate):
         self.artifact = ""
         self.steps_at_ckpt = 0
         self.data_seen = 0
+        self.assembler: FeatureAssembler | None = None     # EAGLE-3 (`_build_trainer`)
+        self.parts_early = 0
         self._stamp: tuple[int, ...] | None = None
         self._last: dict[str, float] = {}
         self._last_verify = time.monotonic()
@@ -285,6 +288,11 @@ class Worker(WindowWork, ExportGate):
             # never a number an export (of this or an earlier incarnation) already used
             self.version = max(self.version, ex.export_high_water(self.export_dir))
         self.trainer = trainer
+        layers = trainer.feature_layers
+        if layers is not None and self.assembler is None:
+            self.assembler = FeatureAssembler(layers, trainer.target_cfg.dim)
+            if self.fleet is not None:
+                self.fleet.use_features(layers)
         if self.replicas is not None:
             self.replicas.start(trainer.model, self.combiner.samples_trained, self.version,
                                 state=(resumed or {}).get("fleet"))

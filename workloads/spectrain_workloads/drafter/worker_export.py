@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spectrain_api import rundir
 from spectrain_workloads.drafter import export as ex
 from spectrain_workloads.drafter.combiner import SampleBuffer
 from spectrain_workloads.drafter.gating import WindowTracker
@@ -116,7 +117,8 @@ class ExportGate(Reporting):
         if reason is None:
             meta = {**c["meta"], "acceptance": self.metrics.acceptance, "gate": gate}
             try:
-                path = ex.export_drafter(self.export_dir, c["version"], tr.model, meta)
+                path = ex.export_drafter(self.export_dir, c["version"], tr.model, meta,
+                                         verifier_path=str(rundir.target_hf(self.run_dir)))
             except ex.ExportRefused as exc:
                 reason = str(exc)
             else:

@@ -7,7 +7,9 @@ copied is dropped). A sequence arrives as tokens [T] (int64) and, from a last-st
 [T, H] in the target's dtype (bf16 travels as an int16 view); the worker keeps hidden as float32,
 forwards the sequence to the fleet's stages without data, and cuts it into Samples of seq_cap
 positions, the unit of work the gate schedules. Sequences the fleet forwarded from other ranks
-join the buffer the same way.
+join the buffer the same way. An EAGLE-3 drafter reads parts instead (the feature layers a stage
+holds, and on the last stage the final hidden state): the last stage's drafter assembles them into
+samples of hidden [T, 4H] (drafter.eagle3_assembly), the others send theirs to it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from spectrain_api.names import EAGLE3
 from spectrain_workloads.drafter.combiner import Sample, SampleBuffer
+from spectrain_workloads.drafter.eagle3_assembly import FeatureAssembler
 from spectrain_workloads.drafter.fleet import Fleet
 from spectrain_workloads.drafter.gating import Gate, WindowTracker
 from spectrain_workloads.drafter.metrics import Metrics
@@ -47,6 +51,8 @@ class Intake:
     calibrated: bool
     ready_ns: int
     data_seen: int
+    assembler: FeatureAssembler | None   # EAGLE-3, once the drafter knows its feature layers
+    parts_early: int
 
     def _on_events(self, events: list[Any]) -> None:
         if not events:
@@ -91,15 +97,46 @@ class Intake:
                 continue
             tokens = _tensor(arrays["tokens"], None).long()
             hidden = _tensor(arrays["hidden"], meta.get("dtype")) if "hidden" in arrays else None
+            features = _tensor(arrays["features"], meta.get("dtype")) if "features" in arrays else None
             if not rec.valid():
                 continue   # overwritten while copying
+            step = int(meta.get("step", -1))
+            if self.s.arch == EAGLE3:
+                added += self._feature_part(tokens, features, tuple(meta.get("feature_layers") or ()), hidden, step,
+                                            int(meta.get("seq_index", -1)))
+                continue
             if self.fleet is not None:
-                self.fleet.share(tokens, hidden, int(meta.get("step", -1)))
-            added += self._add_sequence(tokens, None if hidden is None else hidden.float(), int(meta.get("step", -1)))
+                self.fleet.share(tokens, hidden, step)
+            added += self._add_sequence(tokens, None if hidden is None else hidden.float(), step)
         if self.fleet is not None:
+            if self.assembler is not None:
+                for tok, feat, layers, step, seq in self.fleet.take_parts(max(0, limit - added)):
+                    added += self._feature_part(tok, feat, layers, None, step, seq)
             for tok, hid, step, _src in self.fleet.take_samples(max(0, limit - added)):
                 added += self._add_sequence(tok, None if hid is None else hid.float(), step)
         return added
+
+    def _feature_part(self, tokens: torch.Tensor, features: torch.Tensor | None, layers: tuple[int, ...],
+                      final: torch.Tensor | None, step: int, seq_index: int) -> int:
+        """An EAGLE-3 part (drafter.eagle3_assembly): the replica's last stage assembles it into a
+        sample [T, 4H] (then trained here and forwarded as any sample); the other stages send it there.
+        Parts that reach the last stage before its drafter knows its layers are dropped (counted)."""
+        fleet = self.fleet
+        if fleet is not None and fleet.cfg.rank != fleet.cfg.assembler:
+            if features is not None:
+                fleet.send_part(tokens, features, layers, step, seq_index)
+            return 0
+        if self.assembler is None:
+            self.parts_early += 1
+            return 0
+        full = self.assembler.add(step, seq_index, tokens, features=None if features is None else features.float(),
+                                  layers=layers if features is not None else (),
+                                  final=None if final is None else final.float())
+        if full is None:
+            return 0
+        if fleet is not None:
+            fleet.share(tokens, full, step)
+        return self._add_sequence(tokens, full, step)
 
     def _add_sequence(self, tokens: torch.Tensor, hidden: torch.Tensor | None, step: int) -> int:
         chunks = self._chunks(tokens, hidden, step)

@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spectrain_api.names import EAGLE3
 from spectrain_workloads.drafter.combiner import BatchCombiner
+from spectrain_workloads.drafter.eagle3_assembly import AssemblyStats
 from spectrain_workloads.drafter.gating import CostModel, Gate
 from spectrain_workloads.drafter.metrics import Metrics, write_summary
 from spectrain_workloads.drafter.settings import DrafterSettings
@@ -92,10 +94,21 @@ class Reporting:
             "dataDropped": getattr(self.consumer, "data_dropped", 0),
             "windowsMissed": getattr(self.consumer, "windows_missed", 0),
             "ringRecordsCorrupt": getattr(self.consumer, "records_corrupt", 0),
+            **self._feature_summary(),
             "mpsActiveThreadPercentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
             "gpu": self.gpu,
             "updatedAt": time.time(),
         }
+
+    def _feature_summary(self) -> dict[str, Any]:
+        """EAGLE-3: the assembly's counters (drafter.eagle3_assembly), on every rank (zeros where
+        nothing is assembled), and the parts sent to the assembler from here."""
+        if self.s.arch != EAGLE3:
+            return {}
+        a, fleet = getattr(self, "assembler", None), getattr(self, "fleet", None)
+        sent = fleet.stats.snapshot().get("parts_sent", 0) if fleet is not None else 0
+        return {**(a.stats.to_dict() if a is not None else AssemblyStats().to_dict()),
+                "featurePartsEarly": getattr(self, "parts_early", 0), "featurePartsSent": sent}
 
     def _summary(self, flush: bool = False) -> None:
         summary = self.summary()

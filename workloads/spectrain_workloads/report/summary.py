@@ -49,6 +49,13 @@ def artifact(run_dir: Path, ranks: dict[int, RankData]) -> str | None:
     return None
 
 
+def serving_layouts(art: str | None) -> list[str]:
+    """The layouts vLLM and SGLang load beside the artifact (its sglang/, speculators/, vllm/)."""
+    if not art or not Path(art).is_dir():
+        return []
+    return sorted(str(p) for p in Path(art).iterdir() if p.is_dir() and (p / "config.json").is_file())
+
+
 def _baseline(run_dir: Path) -> dict[int, RankData] | None:
     base = run_dir / "baseline"
     if not base.exists():
@@ -75,7 +82,8 @@ def summarize(run_dir: Path, ranks: dict[int, RankData] | None = None) -> dict[s
         "step_time_s_without_drafter": without,
         "target_slowdown_ratio": with_d / without if with_d and without else None,
         **acceptance(ranks),
-        "artifact": artifact(run_dir, ranks),
+        "artifact": (art := artifact(run_dir, ranks)),
+        "serving_layouts": serving_layouts(art),
         **harvest(ranks),
     }
     if is_rl(ranks):
@@ -83,4 +91,4 @@ def summarize(run_dir: Path, ranks: dict[int, RankData] | None = None) -> dict[s
     return out
 
 
-__all__ = ["artifact", "step_times", "summarize"]
+__all__ = ["artifact", "serving_layouts", "step_times", "summarize"]

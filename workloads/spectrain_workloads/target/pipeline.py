@@ -4,14 +4,16 @@ Per step, stage s of p with m microbatches of shape [b, T] (b = batch / m):
 - F(i): stage 0 embeds tokens [b, T]; others wait for the activation [b, T, H] from s-1. The
   output [b, T, H] goes to s+1 (isend); the last stage computes logits [b, T, V], the loss
   CE / m (so the accumulated gradient is the batch mean) and hands the final-norm hidden
-  [b, T, H] to `on_hidden` (drafter data channel).
+  [b, T, H] to `on_hidden` (drafter data channel); the other stages call it with hidden None,
+  for the EAGLE-3 feature layers they hold (harvest.feature_tap).
 - B(i): the last stage back-propagates its loss; others wait for d out [b, T, H] from s+1. The
   input gradient [b, T, H] goes to s-1.
 - BUBBLE(k): a scheduled idle slot: opened (with its prediction) before the wait that ends it.
 
 Interleaved1F1B: the rank holds v chunks (`module` is a list, one per chunk) and every F/B names
 its chunk c, virtual stage j = c * p + stage of V = p * v. Virtual stage 0 embeds, V-1 computes
-the loss and feeds `on_hidden`; j sends to j+1, which is the next rank in the ring (the last rank
+the loss and feeds `on_hidden` (so does every other forward, with hidden None, for the EAGLE-3
+feature taps of harvest.feature_tap); j sends to j+1, which is the next rank in the ring (the last rank
 sends to rank 0's next chunk), and receives from j-1 (the previous rank in the ring). Transfers
 are tagged with the *receiving* chunk and the microbatch, tag = chunk * m + mb, so every receive
 of a step has its own (peer, group, tag) and gloo pairs them whatever the order (with one chunk,
@@ -128,7 +130,8 @@ class StageExecutor:
     dim: int = 0
     act_dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    on_hidden: Callable[[int, int, torch.Tensor, torch.Tensor], None] | None = None  # (step, mb, hidden, tokens)
+    # (step, mb, hidden [b, T, H] on the last stage else None, tokens [b, T]) after each forward
+    on_hidden: Callable[[int, int, torch.Tensor | None, torch.Tensor], None] | None = None
 
     def __post_init__(self) -> None:
         self.modules = list(self.module) if isinstance(self.module, Sequence) else [self.module]
@@ -248,6 +251,8 @@ class StageExecutor:
                         self.on_hidden(step, i, hidden.detach(), inputs[i * b:(i + 1) * b])
                 else:
                     outs[k] = module(x)                                           # [b, T, H]
+                    if self.on_hidden is not None:     # a stage holding EAGLE-3 feature layers
+                        self.on_hidden(step, i, None, inputs[i * b:(i + 1) * b])
                 dt = time.monotonic_ns() - t0
                 out.forward_ns.append(dt)
                 instr.record_compute("F", dt)

@@ -35,7 +35,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spectrain_api import rundir
 from spectrain_api.config import JobConfig
+from spectrain_api.eagle3 import feature_layers, resolve_draft_vocab_size
+from spectrain_api.names import EAGLE3
 from spectrain_api.rules import require_valid
 from spectrain_workloads.checkpoint import rng_state, set_rng_state
 from spectrain_workloads.data import LoaderSpec, TokenLoader, resolve_source
@@ -51,6 +54,7 @@ from spectrain_workloads.target_model import TargetModel, resolve_target
 from spectrain_workloads.topology import Topology
 
 _LOSS_TAG = 1 << 20
+COUNT_STEPS = 32     # batches whose tokens choose an EAGLE-3 drafter's draft vocabulary
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -118,23 +122,33 @@ class PretrainLoop(ModeLoop):
         self.boundary: dict[str, Any] = {"step": 0, "rng": rng_state()}
         self.loss_buf = torch.zeros((), dtype=torch.float32, device=self.rt.device)
         self.loss_send: Any = None     # the last stage's previous loss isend (rank 0 receives it after its step)
+        self._counts_written = False
 
     def _build_harvest(self) -> None:
-        """The ring, the Instrument (windows) and, on the last stage, the data publisher."""
+        """The ring, the Instrument (windows) and the data publisher: on the last stage, and for an
+        EAGLE-3 drafter on every stage holding one of its feature layers (harvest.feature_tap)."""
         opts, t = self.opts, self.cfg.target
         ring_lock = threading.Lock()
+        tap = None
+        if self.cfg.drafter.enabled and self.cfg.drafter.arch == EAGLE3 and opts.publish_fraction > 0:
+            from spectrain_workloads.harvest.feature_tap import FeatureTap
+
+            tap = FeatureTap(self.chunks, feature_layers(self.cfg.drafter, self.plan.model.n_layers))
+        held = len(tap.held) if tap is not None else 0
         self.producer = self.rt.ring_producer(hidden_dim=self.plan.model.dim, seq_len=t.data.seq_len,
-                                              publishes=self.last)
+                                              publishes=self.last or held > 0, width=int(self.last) + held)
         self.instr = Instrument(rank=self.rank.rank, stage=self.stage, producer=self.producer,
                                 sink=self.rt.metrics.window_closed, producer_lock=ring_lock,
                                 opts=InstrumentOptions(enabled=opts.instrument,
                                                        imbalance_min_ns=int(opts.imbalance_min_ms * 1e6)))
         self.publisher = None
-        if self.producer is not None and self.last and opts.publish_fraction > 0:
+        if self.producer is not None and (self.last or held) and opts.publish_fraction > 0:
             from spectrain_workloads.harvest.data_publisher import DataPublisher
 
             self.publisher = DataPublisher(self.producer, fraction=opts.publish_fraction, stage=self.stage,
-                                           lock=ring_lock)
+                                           lock=ring_lock, tap=tap)
+        elif tap is not None:
+            tap.remove()
 
     def _build_executor(self) -> StageExecutor:
         """DDP around each chunk (when D > 1), then the stage's schedule executor."""
@@ -182,9 +196,25 @@ class PretrainLoop(ModeLoop):
         if self.replica != 0:
             return
         head, tail = self.chunks[0], self.chunks[-1]    # embedding: virtual stage 0; LM head: the last one
+        counts, d, V = None, self.cfg.drafter, self.plan.model.vocab_size
+        if self.last and not self._counts_written and d.enabled and d.arch == EAGLE3 \
+                and resolve_draft_vocab_size(d.draft_vocab_size, V) < V:
+            counts = self._token_counts()       # an EAGLE-3 draft vocabulary smaller than the target's
+            self._counts_written = True
         self.rt.save_shared(embedding=head.tok_embeddings.weight if head.tok_embeddings is not None else None,
                             lm_head=tail.output.weight if tail.output is not None else None,
-                            model_config=self.plan.target.shared_config() if self.last else None)
+                            model_config=self.plan.target.shared_config() if self.last else None,
+                            token_counts=counts)
+
+    def _token_counts(self) -> torch.Tensor:
+        """[V] int64: token frequencies over the first COUNT_STEPS batches of this replica's data,
+        from which an EAGLE-3 drafter picks its draft vocabulary (reads the loader, no forward)."""
+        V = self.plan.model.vocab_size
+        counts = torch.zeros(V, dtype=torch.int64)
+        for step in range(COUNT_STEPS):
+            inputs, _ = self.loader.batch(step)
+            counts += torch.bincount(inputs.flatten(), minlength=V)[:V]
+        return counts
 
     def begin(self) -> None:
         self.write_shared()       # the drafter needs the embedding / LM head from the start
@@ -252,7 +282,7 @@ def save_hf_layout(plan: TrainingLayout, chunks: list[torch.nn.Module], rt: Runt
     stages each write a shard, then rank 0 the index, config and tokenizer."""
     from spectrain_workloads.hf import save as hf_save
 
-    out = rt.opts.run_dir / "target" / "hf"
+    out = rundir.target_hf(rt.opts.run_dir)
     P, V = plan.pipeline, plan.schedule.chunks
     if replica == 0:
         for c, chunk in enumerate(chunks):

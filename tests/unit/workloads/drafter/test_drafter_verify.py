@@ -10,7 +10,7 @@ import torch
 from spectrain_workloads.drafter.models import EagleDrafter, build_drafter, eagle_loss
 from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.drafter.synthetic import make_target, target_hidden, text_sequences
-from spectrain_workloads.drafter.verify import Verifier, _starts, measure, measure_batch, measure_sample
+from spectrain_workloads.drafter.verify import Verifier, chain_starts, measure, measure_batch, measure_sample
 from spectrain_workloads.model import Transformer, model_config
 
 pytestmark = pytest.mark.unit
@@ -53,7 +53,7 @@ def brute_force(model: torch.nn.Module, tokens: torch.Tensor, hidden: torch.Tens
                 eagle: bool) -> tuple[int, int, list[int]]:
     """Accepted drafts summed over the same chain starts, re-running the whole prefix every step."""
     total, chains, depth = 0, 0, [0] * K
-    for t in _starts(tokens.numel(), K, 4):
+    for t in chain_starts(tokens.numel(), K, 4):
         if eagle:
             toks, hids = tokens[1:t + 2].tolist(), list(hidden[: t + 1])
         else:
@@ -118,9 +118,9 @@ def test_trained_beats_untrained_and_chunked_rounds_equal_one_pass(target: Trans
 
 
 def test_starts_do_not_overlap_and_fit() -> None:
-    assert _starts(40, 4, 4) == [0, 8, 16, 24]
-    assert _starts(10, 4, 8) == [0, 4]
-    assert _starts(4, 4, 8) == []
+    assert chain_starts(40, 4, 4) == [0, 8, 16, 24]
+    assert chain_starts(10, 4, 8) == [0, 4]
+    assert chain_starts(4, 4, 8) == []
 
 
 def test_batched_measure_equals_rows_one_by_one(target: Transformer, trained_eagle: EagleDrafter,
