@@ -46,7 +46,11 @@ def main() -> None:
     pub = hooks.attach(hidden_dim=DIM, seq_len=SEQ)     # a no-op outside a SpecTrainJob
     schedule = Schedule1F1B(PipelineStage(part, rank, 2, torch.device("cpu")), MICROBATCHES,
                             loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
-    pipe = hooks.instrument_schedule(schedule, pub, final_norm=part.norm)
+    # With `arch: Eagle3` in the manifest the drafter reads the inputs of three of the 4 layers
+    # (default 1, 2, 3; stage 0 publishes layer 1's); with `arch: Eagle` this does nothing.
+    layers = {rank * LAYERS_PER_STAGE + i: layer for i, layer in enumerate(part.layers)}   # global id -> layer
+    pipe = hooks.instrument_schedule(schedule, pub, final_norm=part.norm, feature_layers=layers,
+                                     num_layers=2 * LAYERS_PER_STAGE)
     opt = torch.optim.AdamW(part.parameters(), lr=3e-3)
     loader = TokenLoader(load_corpus("builtin:python-stdlib", max_bytes=1 << 20), LoaderSpec(seq_len=SEQ, batch_size=BATCH))
     for step in range(STEPS):

@@ -130,9 +130,16 @@ def eagle3_target_errors(cfg: JobConfig, n_layers: int | None, vocab_size: int |
     out: list[str] = []
     if n_layers is not None:
         try:
-            eagle3.feature_layers(d, n_layers)
+            layers = eagle3.feature_layers(d, n_layers)
         except ConfigError as exc:
             out.append(str(exc))
+        else:
+            P = cfg.target.parallelism.pipeline
+            away = sorted(s for s in eagle3.feature_stages(layers, n_layers, P) if s != P - 1) if P >= 1 else []
+            if away and not d.exchange.enabled:
+                out.append(f"spec.drafter.exchange.enabled: false, but feature layers {list(layers)} lie on pipeline "
+                           f"stage(s) {away}, whose parts reach the last stage's drafter only over the exchange; "
+                           f"enable it, choose featureLayers on the last stage, or use arch {EAGLE}")
     if vocab_size is not None:
         try:
             eagle3.resolve_draft_vocab_size(d.draft_vocab_size, vocab_size)

@@ -246,3 +246,15 @@ def test_hf_target_leaves_the_shape_to_the_workloads() -> None:
     assert eagle3_target_errors(cfg, None, None) == []
     cfg.drafter.arch = EAGLE
     assert eagle3_target_errors(cfg, 2, 1) == []
+
+
+def test_feature_layers_off_the_last_stage_need_the_exchange() -> None:
+    par = {"pipeline": 2, "microbatches": 2}
+    off = {"arch": EAGLE3, "exchange": {"enabled": False}}
+    over = {"preset": "debug", "overrides": {"n_layers": 8}}    # default (2, 4, 5): layer 2 on stage 0
+    errs = errors(PRETRAIN, off, nodes=2, parallelism=par, model=over)
+    assert len(errs) == 1 and errs[0].startswith("spec.drafter.exchange.enabled: false, but feature layers [2, 4, 5] "
+                                                 "lie on pipeline stage(s) [0]")
+    assert errors(PRETRAIN, {**off, "featureLayers": [4, 5, 6]}, nodes=2, parallelism=par, model=over) == []
+    assert errors(PRETRAIN, off, model=over) == []            # one stage holds everything
+    assert errors(PRETRAIN, {**off, "arch": EAGLE}, nodes=2, parallelism=par, model=over) == []

@@ -68,10 +68,12 @@ class DataPublisher:
     def count(self, b: int) -> int:
         return min(b, math.ceil(self.fraction * b)) if self.fraction > 0 else 0
 
-    def submit(self, step: int, mb: int, hidden: torch.Tensor | None, tokens: torch.Tensor) -> None:
+    def submit(self, step: int, mb: int, hidden: torch.Tensor | None, tokens: torch.Tensor, *,
+               batch: int | None = None) -> None:
         """After microbatch `mb`'s forward: hidden [b, T, H] (detached; None on a stage without the
-        LM head), tokens [b, T] int64. Publishes hidden and/or the tap's features, whichever exist."""
-        b = tokens.size(0)
+        LM head), tokens [b, T] int64 (or already its first `count(b)` rows; then `batch` = b when
+        hidden is None). Publishes hidden and/or the tap's features, whichever exist."""
+        b = batch if batch is not None else hidden.size(0) if hidden is not None else tokens.size(0)
         k = self.count(b)
         f = self.tap.take(k) if self.tap is not None and self.tap.ready() else None
         if k == 0 or (hidden is None and f is None):

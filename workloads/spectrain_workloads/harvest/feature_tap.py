@@ -17,7 +17,7 @@ added to the training graph. Works on the project's stages (`layers`), Hugging F
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,11 +42,14 @@ class FeatureTap:
     after a forward that ran all of them, `take(k)` returns the first k rows of cat(inputs)
     [k, T, len(held) * H] in layer order and forgets them."""
 
-    def __init__(self, modules: Sequence[nn.Module], wanted: Sequence[int]) -> None:
+    def __init__(self, modules: Sequence[nn.Module] | Mapping[int, nn.Module], wanted: Sequence[int]) -> None:
+        """modules: this rank's stage chunks, or (the hooks API) its decoder layers by global id."""
         self._kept: dict[int, torch.Tensor] = {}
         self._handles: list[Any] = []
         found: dict[int, nn.Module] = {}
-        for m in modules:
+        if isinstance(modules, Mapping):
+            found = {int(i): layer for i, layer in modules.items() if int(i) in set(wanted)}
+        for m in modules if not isinstance(modules, Mapping) else ():
             found.update({i: layer for i, layer in stage_layers(m).items() if i in set(wanted)})
         self.held: tuple[int, ...] = tuple(sorted(found))
         for i in self.held:

@@ -24,6 +24,9 @@ between steps): its simulation adds the rank's trailing idle time, except on the
 The final hidden states: `final_norm` (the last stage's final norm module) gets a forward hook
 that publishes its output [b, T, H] with the microbatch's input ids, which the caller hands over
 per step with `hooks.set_tokens(tokens [B, T])` (split like the schedule splits its inputs).
+EAGLE-3 (`feature_layers=`, `num_layers=`): the layers the drafter reads are tapped
+(hooks.features); a stage without the final norm publishes them after each forward, with the same
+tokens.
 
 The wrappers only read clocks and publish: tensors and the order of operations are untouched, so
 training is bitwise the same with and without them.
@@ -32,7 +35,7 @@ training is bitwise the same with and without them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,7 +161,8 @@ class PipelineHooks:
     """What `instrument_schedule` returns for a Publisher: `set_tokens(tokens)` each step on the
     last stage (when `final_norm` was given); `plan` says the rank's idle slots."""
 
-    def __init__(self, schedule: Any, pub: Publisher, plan: SlotPlan, final_norm: torch.nn.Module | None) -> None:
+    def __init__(self, schedule: Any, pub: Publisher, plan: SlotPlan, final_norm: torch.nn.Module | None,
+                 features_here: bool = False) -> None:
         self.schedule, self.pub, self.plan = schedule, pub, plan
         self.instr = pub.instrument
         self.pending: dict[int, tuple[Any, int]] = {}    # id(works) -> (works, received bytes)
@@ -169,6 +173,7 @@ class PipelineHooks:
         self._steps_run = 0
         self._tokens: tuple[torch.Tensor, ...] | None = None
         self._mb = -1                   # microbatch of the forward running now (-1: none)
+        self._features_here = features_here and final_norm is None   # EAGLE-3 layers, no final norm: pub.features
         self._p = len(plan.orders)
         self._timeline = ScaledTimeline(plan.orders)
         self._n_virtual, self._m = ti.schedule_shape(schedule)
@@ -225,7 +230,10 @@ class PipelineHooks:
             self._mb = fwd_chunk_id
             start = time.monotonic_ns()
             try:
-                return fwd(fwd_chunk_id, *args, **kwargs)
+                out = fwd(fwd_chunk_id, *args, **kwargs)
+                if self._features_here:
+                    self.pub.features(self._microbatch_tokens("feature_layers"))
+                return out
             finally:
                 self._mb = -1
                 self.instr.record_compute("F", time.monotonic_ns() - start)
@@ -274,11 +282,14 @@ class PipelineHooks:
     def _on_final_norm(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
         if not self.enabled or self._mb < 0:
             return
-        if self._tokens is None:
-            raise HookError("instrument_schedule(final_norm=...): call hooks.set_tokens(input_ids) before each "
-                            "schedule.step() on the last stage, so the hidden states carry their tokens")
         hidden = output[0] if isinstance(output, tuple) else output
-        self.pub.hidden_states(hidden.detach(), self._tokens[self._mb])
+        self.pub.hidden_states(hidden.detach(), self._microbatch_tokens("final_norm"))
+
+    def _microbatch_tokens(self, given: str) -> torch.Tensor:
+        if self._tokens is None:
+            raise HookError(f"instrument_schedule({given}=...): call hooks.set_tokens(input_ids) before each "
+                            "schedule.step() on this stage, so what it publishes carries its tokens")
+        return self._tokens[self._mb]
 
 
 class _NoopHooks:
@@ -292,9 +303,14 @@ _NOOP_HOOKS = _NoopHooks()
 
 
 def instrument_schedule(schedule: Any, pub: Publisher | NoopPublisher, *,
-                        final_norm: torch.nn.Module | None = None) -> PipelineHooks | _NoopHooks:
+                        final_norm: torch.nn.Module | None = None,
+                        feature_layers: Mapping[int, torch.nn.Module] | None = None,
+                        num_layers: int | None = None) -> PipelineHooks | _NoopHooks:
     """Publish `schedule`'s Bubble windows (and, with `final_norm`, the last stage's hidden states)
-    through `pub`. A NoopPublisher leaves the schedule untouched (the type is still checked)."""
+    through `pub`. A NoopPublisher leaves the schedule untouched (the type is still checked).
+    EAGLE-3: `feature_layers` (this rank's decoder layers by global id) and `num_layers` (the
+    model's depth) tap the layers the drafter reads (hooks.features); a stage without the final
+    norm publishes them after each forward (set_tokens is then needed on every such stage)."""
     if type(schedule).__name__ not in _NAMES or type(schedule).__module__ != "torch.distributed.pipelining.schedules":
         slot_plan(schedule, 0)          # raises the unknown-schedule error
     if not isinstance(pub, Publisher):
@@ -306,4 +322,9 @@ def instrument_schedule(schedule: Any, pub: Publisher | NoopPublisher, *,
     n_virtual, _ = ti.schedule_shape(schedule)
     plan = slot_plan(schedule, int(stages[0].stage_index) % (n_virtual // len(stages)))
     _install_p2p_wrappers()
-    return PipelineHooks(schedule, pub, plan, final_norm)
+    held: tuple[int, ...] = ()
+    if feature_layers is not None:
+        if num_layers is None:
+            raise HookError("instrument_schedule(feature_layers=...): give num_layers, the model's depth")
+        held = pub.feature_layers(feature_layers, num_layers=num_layers)
+    return PipelineHooks(schedule, pub, plan, final_norm, features_here=bool(held))

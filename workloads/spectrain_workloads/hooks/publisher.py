@@ -18,6 +18,8 @@ Three calls carry the drafter's inputs:
 - `pub.step_end(step)`: once per optimizer step; the step's windows are learned from and written.
 `pub.share_weights(embedding, lm_head)` writes the embedding and LM head ([V, H] each) the Eagle
 drafter borrows, once (and again when they change); `pub.imbalance()` wraps a step's barrier.
+An EAGLE-3 drafter also reads chosen layers' inputs: `pub.feature_layers(...)` and `pub.features(...)`
+(hooks/features.py).
 
 SPECTRAIN_INSTRUMENT_INTERLEAVE=k (bench-hooks): only steps in blocks of k in the order on off off
 on are published; the others run with the publisher disabled, and each metrics line says which.
@@ -38,9 +40,11 @@ import torch
 
 from spectrain_api.config import JobConfig, ModelConfig
 from spectrain_api.config import load as load_config
-from spectrain_api.names import ENV_CONFIG, ENV_RUN_DIR, WINDOW_KINDS
+from spectrain_api.names import EAGLE3, ENV_CONFIG, ENV_RUN_DIR, WINDOW_KINDS
+from spectrain_workloads.drafter.eagle3_assembly import SAMPLE_WIDTH
 from spectrain_workloads.harvest.instrument import Instrument, InstrumentOptions, instrumented_step
 from spectrain_workloads.hooks.errors import HookError
+from spectrain_workloads.hooks.features import FeatureCalls, NoopFeatureCalls
 from spectrain_workloads.hooks.windows import ManualWindow, ManualWindows
 from spectrain_workloads.runtime import RankInfo, TargetOptions, ring_layout
 
@@ -65,7 +69,7 @@ class _Null:
 _NULL = _Null()
 
 
-class NoopPublisher:
+class NoopPublisher(NoopFeatureCalls):
     """What `attach()` returns outside a job: every call returns at once. `idle()` still rejects
     a kind that does not exist (a typo would otherwise only show inside a job)."""
 
@@ -132,7 +136,7 @@ class _SyncPoint:
         self._instr.sync_end()
 
 
-class Publisher:
+class Publisher(FeatureCalls):
     attached = True
 
     def __init__(self, cfg: JobConfig, opts: TargetOptions, rank: RankInfo, *, hidden_dim: int, seq_len: int) -> None:
@@ -157,6 +161,8 @@ class Publisher:
         self.manual = ManualWindows(stage=self.stage, producer=self.producer, lock=self._lock,
                                     sink=self.metrics.window_closed)
         self._data: Any = None                   # harvest.data_publisher.DataPublisher, on the first sample
+        self.tap: Any = None                     # harvest.feature_tap.FeatureTap (EAGLE-3, hooks.features)
+        self.num_layers: int | None = None       # the model's depth, from pub.feature_layers
         self._mb = 0                             # hidden_states calls this step (the sample's seq_index base)
         self._shared_dim: int | None = None
         self._checked: tuple[Any, ...] | None = None     # the sample shapes hidden_states last accepted
@@ -171,9 +177,19 @@ class Publisher:
         from spectrain_workloads.ring import RingProducer, ring_path
 
         self.opts.ring_dir.mkdir(parents=True, exist_ok=True)
+        width = SAMPLE_WIDTH if self.cfg.drafter.arch == EAGLE3 else 1   # features beside the hidden states
         return RingProducer.create(ring_path(self.opts.ring_dir, self.rank_info.local_rank),
-                                   layout=ring_layout(hidden_dim=self.hidden_dim, seq_len=self.seq_len, publishes=True),
+                                   layout=ring_layout(hidden_dim=self.hidden_dim, seq_len=self.seq_len, publishes=True,
+                                                      width=width),
                                    rank=self.rank)
+
+    def _data_publisher(self) -> Any:
+        if self._data is None:
+            from spectrain_workloads.harvest.data_publisher import DataPublisher
+
+            self._data = DataPublisher(self.producer, fraction=self.opts.publish_fraction, stage=self.stage,
+                                       lock=self._lock, tap=self.tap)
+        return self._data
 
     def require_kind(self, kind: str, who: str) -> None:
         """HookError unless the job's drafter may use windows of `kind` (spec.drafter.activation.kinds)."""
@@ -210,16 +226,12 @@ class Publisher:
             self._checked = sig
         if self.producer is None:
             return
-        if self._data is None:
-            from spectrain_workloads.harvest.data_publisher import DataPublisher
-
-            self._data = DataPublisher(self.producer, fraction=self.opts.publish_fraction, stage=self.stage,
-                                       lock=self._lock)
-        k = self._data.count(hidden.size(0))
+        data = self._data_publisher()
+        k = data.count(hidden.size(0))
         if k:
             # CUDA samples reach the ring later (a thread): their tokens are cloned, as a caller may
             # refill its batch buffer before then; CPU samples are copied into the ring right here
-            self._data.submit(self.step, self._mb, hidden.detach(), tokens[:k].to(torch.int64, copy=hidden.is_cuda))
+            data.submit(self.step, self._mb, hidden.detach(), tokens[:k].to(torch.int64, copy=hidden.is_cuda))
         self._mb += 1
 
     def _check_sample(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -258,11 +270,15 @@ class Publisher:
 
     # ---------------------------------------------------------------- the drafter's borrowed weights
     def share_weights(self, embedding: torch.Tensor | None = None, lm_head: torch.Tensor | None = None, *,
-                      n_heads: int | None = None, max_seq_len: int | None = None) -> None:
+                      n_heads: int | None = None, max_seq_len: int | None = None,
+                      token_counts: torch.Tensor | None = None) -> None:
         """Write the target's token embedding and/or LM head weight ([V, H] each) for the drafter:
         the stage that holds each passes it (replica 0 writes; other replicas return). Call it
         before the first step and again whenever they change (e.g. at each checkpoint).
-        `n_heads`: attention heads of the drafter's decoder layer (default: H / 64, head dim even)."""
+        `n_heads`: attention heads of the drafter's decoder layer (default: H / 64, head dim even).
+        EAGLE-3: call `feature_layers` first (the model's depth goes into the shared config);
+        `token_counts` [V] int64, your data's token frequencies, choose its draft vocabulary when
+        spec.drafter.draftVocabSize is below the vocabulary (default min(32768, V))."""
         given = [(n, w) for n, w in (("embedding", embedding), ("lm_head", lm_head)) if w is not None]
         if not given:
             raise HookError("pub.share_weights: pass embedding=, lm_head= or both ([V, H] weights)")
@@ -273,13 +289,15 @@ class Publisher:
         if dim != self.hidden_dim:
             raise HookError(f"pub.share_weights: width H={dim}, but the ring was sized for H={self.hidden_dim}; "
                             f"call attach(hidden_dim={dim})")
-        mcfg = drafter_model_config(vocab, dim, n_heads=n_heads, max_seq_len=max_seq_len or self.seq_len)
+        mcfg = drafter_model_config(vocab, dim, n_heads=n_heads, max_seq_len=max_seq_len or self.seq_len,
+                                    n_layers=self.num_layers or 1)
         self._shared_dim = dim
         if self.replica != 0:
             return
         from spectrain_workloads.checkpoint import save_shared
 
-        save_shared(self.opts.run_dir, embedding=embedding, lm_head=lm_head, model_config=mcfg.to_dict())
+        save_shared(self.opts.run_dir, embedding=embedding, lm_head=lm_head, model_config=mcfg.to_dict(),
+                    token_counts=token_counts)
 
     def imbalance(self) -> _SyncPoint | _Null:
         if not self.enabled:
@@ -301,16 +319,18 @@ class Publisher:
             self.producer.close()
 
 
-def drafter_model_config(vocab: int, dim: int, *, n_heads: int | None, max_seq_len: int) -> ModelConfig:
+def drafter_model_config(vocab: int, dim: int, *, n_heads: int | None, max_seq_len: int,
+                         n_layers: int = 1) -> ModelConfig:
     """The model config the drafter builds its Eagle layer from (target/shared/model_config.json):
-    the target's vocabulary and width, `n_heads` heads (default: about 64 per head, head dim even)."""
+    the target's vocabulary and width, `n_heads` heads (default: about 64 per head, head dim even),
+    `n_layers` the target's depth where known (EAGLE-3 resolves its default feature layers with it)."""
     if n_heads is None:
         n_heads = max(1, dim // 64)
         while n_heads > 1 and (dim % n_heads or (dim // n_heads) % 2):
             n_heads -= 1
     if dim % n_heads or (dim // n_heads) % 2:
         raise HookError(f"pub.share_weights: n_heads={n_heads} must divide H={dim} into an even head dim")
-    return ModelConfig(vocab_size=vocab, dim=dim, n_layers=1, n_heads=n_heads, max_seq_len=max_seq_len)
+    return ModelConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, max_seq_len=max_seq_len)
 
 
 def attach(*, hidden_dim: int | None = None, seq_len: int | None = None,
