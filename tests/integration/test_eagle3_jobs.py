@@ -3,7 +3,8 @@ from the pipeline stages holding them (harvest.feature_tap), travel over the aut
 the last stage's drafter, which assembles the samples (drafter.eagle3_assembly); every stage's
 drafter trains; the export is the project's layout plus, for a Hugging Face target, the sglang/ and
 speculators/ layouts (checked against the loaders' tables); `spectrain generate` with it emits
-transformers' greedy tokens. The drafters run with activation Always so that the test does not
+transformers' greedy tokens (tiny Llama over 4 stages, tiny Qwen3 over 2; Qwen2 in
+test_hf_target.py; the presets' EAGLE-3 in tests/unit). The drafters run with activation Always so that the test does not
 depend on this machine's window lengths (harvest in windows is the Eagle tests' subject)."""
 
 from __future__ import annotations
@@ -29,15 +30,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SPECTRAIN = [sys.executable, "-m", "spectrain_operator.cli"]
 
 
-def job(target: dict[str, Any], *, pipeline: int, steps: int, seq: int = 64,
-        drafter: dict[str, Any] | None = None) -> dict[str, Any]:
+def job(target: dict[str, Any], *, pipeline: int, steps: int, drafter: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"apiVersion": "spectrain.io/v1alpha1", "kind": "SpecTrainJob", "metadata": {"name": "e3"},
             "spec": {"mode": "Pretrain", "seed": 3, "target": {
                 "image": "x", "nodes": pipeline, "procsPerNode": 1,
                 "env": [{"name": "SPECTRAIN_TORCH_THREADS", "value": "1"},
                         {"name": "SPECTRAIN_DATA_MAX_BYTES", "value": str(1 << 19)}],
                 "parallelism": {"data": 1, "pipeline": pipeline, "microbatches": 4, "schedule": "1F1B"},
-                "model": target, "data": {"source": "builtin:python-stdlib", "seqLen": seq, "batchSize": 8},
+                "model": target, "data": {"source": "builtin:python-stdlib", "seqLen": 64, "batchSize": 8},
                 "optimizer": {"lr": 3e-3}, "steps": steps, "checkpoint": {"everySteps": steps}},
                 "drafter": {"preset": "debug", "activation": {"policy": "Always"}, "optimizer": {"lr": 4e-3},
                             "exchange": {"combineEverySeconds": 1}, **(drafter or {})},
@@ -56,44 +56,36 @@ def summaries(run: Path) -> dict[int, dict[str, Any]]:
     return {r: json.loads(p.read_text()) for r, p in rundir.drafter_summaries(run)}
 
 
-def test_pipeline_4_debug_preset_assembles_features_from_three_stages(tmp_path: Path) -> None:
-    """n_layers 8 over 4 stages, feature layers (1, 4, 5): stage 0 holds layer 1, stage 2 layers 4
-    and 5, stage 3 the final hidden state, stage 1 none of them."""
-    run = run_job(tmp_path, job({"preset": "debug", "overrides": {"n_layers": 8}}, pipeline=4, steps=60,
-                                drafter={"arch": "Eagle3", "featureLayers": [1, 4, 5]}))
-    s = summaries(run)
-    assert sorted(s) == [0, 1, 2, 3]
-    assert s[0]["featurePartsSent"] > 0 and s[2]["featurePartsSent"] > 0 and s[1]["featurePartsSent"] == 0
-    last = s[3]
-    assert last["featureSamplesAssembled"] > 0 and last["featurePartsRejected"] == 0
-    # every part the others sent that arrived met the last stage's own: nothing left over but the tail
-    assert last["featureParts"] >= 2 * last["featureSamplesAssembled"]
-    assert all(s[r]["samplesTrained"] > 0 and s[r]["arch"] == "Eagle3" for r in s), s
-    assert all(s[r]["samplesFromPeers"] > 0 for r in (0, 1, 2))      # the assembled samples reach every stage
-    meta = json.loads((run / "drafter" / (run / "drafter" / "LATEST").read_text().strip() / "config.json").read_text())
-    assert meta["arch"] == "Eagle3" and meta["eagle3"]["feature_layers"] == [1, 4, 5]
-    assert meta["eagle3"]["draft_vocab_size"] == meta["model_config"]["vocab_size"]   # 264 < 32768: all of it
-
-
-def test_a_qwen3_target_trains_eagle3_by_default_exports_conform_and_generate_is_greedy(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("arch", "pipeline", "drafter"), [
+    ("LlamaForCausalLM", 4, {}),                            # layers (1, 2, 3): stage 0 holds none
+    ("Qwen3ForCausalLM", 2, {"draftVocabSize": 200}),       # layer 1 on stage 0; a draft vocabulary
+], ids=["llama-p4", "qwen3-p2"])
+def test_eagle3_by_default_features_from_every_stage_exports_conform_generate_is_greedy(
+        tmp_path: Path, arch: str, pipeline: int, drafter: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from spectrain_workloads.drafter.eagle3_tables import layout_problems
     from spectrain_workloads.drafter.export import resolve_export
 
-    model = build_model(tmp_path / "model", "Qwen3ForCausalLM", layers=4, seed=2)
-    run = run_job(tmp_path, job({"path": f"file://{model}"}, pipeline=2, steps=60,
-                                drafter={"draftVocabSize": 200}))
+    model = build_model(tmp_path / "model", arch, layers=4, seed=2)
+    run = run_job(tmp_path, job({"path": f"file://{model}"}, pipeline=pipeline, steps=60, drafter=drafter))
     s = summaries(run)
-    assert s[1]["featureSamplesAssembled"] > 0 and s[0]["featurePartsSent"] > 0
+    last = pipeline - 1
+    assert sorted(s) == list(range(pipeline))
     assert all(s[r]["arch"] == "Eagle3" and s[r]["samplesTrained"] > 0 for r in s), s
-    assert (run / "target" / "shared" / "token_counts.safetensors").is_file()     # 200 < the vocab: counted
+    senders = {r for r in range(last) if s[r]["featurePartsSent"] > 0}
+    assert senders == ({1, 2} if pipeline == 4 else {0}), s      # the stages holding feature layers
+    assert s[last]["featureSamplesAssembled"] > 0 and s[last]["featurePartsRejected"] == 0
+    assert all(s[r]["samplesFromPeers"] > 0 for r in range(last))   # assembled samples reach every stage
+    counts = run / "target" / "shared" / "token_counts.safetensors"
+    assert counts.is_file() == ("draftVocabSize" in drafter)       # only a draft vocabulary below V counts
     export = resolve_export(run / "drafter")
     assert sorted(p.name for p in export.iterdir() if p.is_dir()) == ["sglang", "speculators"]
     for layout in ("sglang", "speculators"):
         assert layout_problems(export / layout) == [], layout
     spec = json.loads((export / "speculators" / "config.json").read_text())
-    assert spec["draft_vocab_size"] == 200 and spec["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert spec["draft_vocab_size"] == drafter.get("draftVocabSize", spec["transformer_layer_config"]["vocab_size"])
+    assert spec["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert spec["speculators_config"]["verifier"]["name_or_path"] == str(rundir.target_hf(run))
     target = run / "target" / "hf"
     prompt = "def main(argv):\n    "

@@ -184,6 +184,7 @@ class Eagle3Drafter(nn.Module):
     embed_weight: torch.Tensor
     d2t: torch.Tensor
     t2d: torch.Tensor
+    hf_target_config: dict[str, Any] | None = None   # an HF target's config.json: its exports' serving layouts
 
     def __init__(self, cfg: LlamaConfig, embedding: torch.Tensor, feature_layers: Sequence[int], *,
                  target_num_layers: int, d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None,

@@ -119,3 +119,21 @@ def measure_batch(model: Eagle3Drafter, tokens: torch.Tensor, hidden: torch.Tens
 def synthetic_hidden(length: int, H: int, generator: torch.Generator) -> torch.Tensor:
     """A random sample's hidden [length, 4H] (cost measurements before the first window)."""
     return torch.randn(length, SAMPLE_WIDTH * H, generator=generator)
+
+
+@torch.no_grad()
+def sampled_acceptance_rate(model: Eagle3Drafter, tokens: torch.Tensor, hidden: torch.Tensor,
+                            target_head: torch.Tensor) -> float:
+    """Teacher-forced alpha at temperature 1 (as drafter.verify.sampled_acceptance_rate for EAGLE-1):
+    the mean over rows of sum_v min(p(v), q(v)), the probability that rejection sampling accepts
+    the first draft. tokens [B, T], hidden [B, T, 4H], target_head [V, H]. Step 0 at row i predicts
+    x_{i+2}: q = the drafter's softmax over the draft vocabulary (zero on the other target ids),
+    p = softmax(final_{i+1} @ head.T) over the whole target vocabulary."""
+    T = tokens.size(1)
+    if T < 2:
+        raise ValueError(f"sampled_acceptance_rate: sequences of {T} positions have no draft to score")
+    features, final = _split(model, hidden)
+    q = torch.softmax(model.unroll(features[:, :T - 1], tokens[:, 1:T], 1)[0].float(), -1)      # [B, T-1, Vd]
+    p = torch.softmax(final[:, 1:].float() @ target_head.float().T.to(final.device), -1)          # [B, T-1, V]
+    p = p.index_select(-1, model.target_ids().to(p.device))                                       # [B, T-1, Vd]
+    return float(torch.minimum(p, q).sum(-1).mean())

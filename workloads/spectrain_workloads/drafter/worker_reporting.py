@@ -108,6 +108,7 @@ class Reporting:
         a, fleet = getattr(self, "assembler", None), getattr(self, "fleet", None)
         sent = fleet.stats.snapshot().get("parts_sent", 0) if fleet is not None else 0
         return {**(a.stats.to_dict() if a is not None else AssemblyStats().to_dict()),
+                "featureSequencesPending": len(a.pending) if a is not None else 0,   # incomplete, still held
                 "featurePartsEarly": getattr(self, "parts_early", 0), "featurePartsSent": sent}
 
     def _summary(self, flush: bool = False) -> None:
