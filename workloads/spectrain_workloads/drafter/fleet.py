@@ -55,6 +55,36 @@ WEIGHT_KINDS = ("contrib", "combined", "hello")   # the star's weight frames
 WEIGHTS_CAP_UNKNOWN = 1 << 34    # before the local model exists weights are read past (never kept): a length sanity bound
 
 
+class _Inbox:
+    """Received frames not yet taken, at most `cap` payload bytes (the oldest go first). Callers hold
+    the fleet's lock."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.bytes = cap, 0
+        self.frames: collections.deque[tuple[Frame, int]] = collections.deque()
+
+    def push(self, f: Frame, rank: int) -> int:
+        """Append; returns how many older frames were dropped to stay under the cap."""
+        dropped = 0
+        while self.frames and self.bytes + len(f.payload) > self.cap:
+            old, _ = self.frames.popleft()
+            self.bytes -= len(old.payload)
+            dropped += 1
+        self.frames.append((f, rank))
+        self.bytes += len(f.payload)
+        return dropped
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def pop(self) -> tuple[Frame, int] | None:
+        if not self.frames:
+            return None
+        f, rank = self.frames.popleft()
+        self.bytes -= len(f.payload)
+        return f, rank
+
+
 class Fleet(StarWeights):
     def __init__(self, cfg: FleetConfig) -> None:
         self.cfg = cfg
@@ -64,10 +94,8 @@ class Fleet(StarWeights):
         self.lock = threading.Lock()
         self.contributed = threading.Condition(self.lock)
         self.members_seen: set[int] = set()            # coordinator: ranks that ever contributed
-        self.inbox: collections.deque[tuple[Frame, int]] = collections.deque()   # samples, checked when taken
-        self.inbox_bytes = 0
-        self.parts: collections.deque[tuple[Frame, int]] = collections.deque()   # EAGLE-3 parts, likewise
-        self.parts_bytes = 0
+        self.inbox = _Inbox(cfg.inbox_bytes)          # samples, checked when taken
+        self.parts = _Inbox(cfg.inbox_bytes)          # EAGLE-3 parts, likewise
         self.feature_layers: tuple[int, ...] = ()      # EAGLE-3 (`use_features`)
         self.contributions: dict[int, Contribution] = {}
         # coordinator: per rank, the work and samples of its process already in a combined version. A
@@ -186,33 +214,34 @@ class Fleet(StarWeights):
         """Up to `limit` received sequences: (tokens [T], hidden [T, H] or None, step, from rank),
         each checked now (its MAC, drafter.checks): at the cap most arrivals leave a full inbox
         unread, so only what is used pays for the checks."""
-        out: list[tuple[torch.Tensor, torch.Tensor | None, int, int]] = []
+        def parse(f: Frame, rank: int) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+            assert self.target is not None
+            tokens, hidden = checks.sample_arrays(f.header, f.payload, self.target)
+            return tokens, hidden, checks.field(f.header, "step", int), rank
+        return self._take(self.inbox, limit, parse)
+
+    def _take(self, box: _Inbox, limit: int, parse: Any) -> list[Any]:
+        """Up to `limit` items parsed from `box`'s frames, oldest first; a frame whose MAC or checks
+        fail is dropped and counted by cause."""
+        out: list[Any] = []
         while len(out) < limit:
             with self.lock:
-                if not self.inbox:
-                    break
-                f, rank = self.inbox.popleft()
-                self.inbox_bytes -= len(f.payload)
+                got = box.pop()
+            if got is None:
+                break
+            f, rank = got
             try:
                 if f.verify is not None and not f.verify():
                     raise Rejected("mac", "payload MAC does not verify")
-                assert self.target is not None
-                tokens, hidden = checks.sample_arrays(f.header, f.payload, self.target)
-                out.append((tokens, hidden, checks.field(f.header, "step", int), rank))
+                out.append(parse(f, rank))
             except Rejected as exc:
                 self.stats.reject(exc.cause)
         return out
 
     def _on_sample(self, f: Frame, peer: Session) -> None:
-        size = len(f.payload)
         with self.lock:
-            while self.inbox and self.inbox_bytes + size > self.cfg.inbox_bytes:
-                old, _ = self.inbox.popleft()  # the oldest goes: fresher samples track the target better
-                self.inbox_bytes -= len(old.payload)
-                self.stats.add(inbox_dropped=1)
-            self.inbox.append((f, peer.peer_rank))
-            self.inbox_bytes += size
-        self.stats.add(samples_received=1)
+            dropped = self.inbox.push(f, peer.peer_rank)   # the oldest go: fresher samples track the target better
+        self.stats.add(samples_received=1, **({"inbox_dropped": dropped} if dropped else {}))
 
     # ------------------------------------------------------------ EAGLE-3 parts
     def send_part(self, tokens: torch.Tensor, features: torch.Tensor, layers: tuple[int, ...], step: int,
@@ -229,35 +258,17 @@ class Fleet(StarWeights):
     def take_parts(self, limit: int) -> list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int, int]]:
         """Up to `limit` received parts: (tokens [T], features [T, n * H], layers, step, seq_index),
         each checked now (MAC, then drafter.checks.part_arrays)."""
-        out: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int, int]] = []
-        while len(out) < limit:
-            with self.lock:
-                if not self.parts:
-                    break
-                f, _rank = self.parts.popleft()
-                self.parts_bytes -= len(f.payload)
-            try:
-                if f.verify is not None and not f.verify():
-                    raise Rejected("mac", "payload MAC does not verify")
-                assert self.target is not None
-                tokens, features, layers = checks.part_arrays(f.header, f.payload, self.target,
-                                                              self.feature_layers)
-                out.append((tokens, features, layers, checks.field(f.header, "step", int),
-                            checks.field(f.header, "seq_index", int, low=0)))
-            except Rejected as exc:
-                self.stats.reject(exc.cause)
-        return out
+        def parse(f: Frame, _rank: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int, int]:
+            assert self.target is not None
+            tokens, features, layers = checks.part_arrays(f.header, f.payload, self.target, self.feature_layers)
+            return (tokens, features, layers, checks.field(f.header, "step", int),
+                    checks.field(f.header, "seq_index", int, low=0))
+        return self._take(self.parts, limit, parse)
 
     def _on_part(self, f: Frame, peer: Session) -> None:
-        size = len(f.payload)
         with self.lock:
-            while self.parts and self.parts_bytes + size > self.cfg.inbox_bytes:
-                old, _ = self.parts.popleft()
-                self.parts_bytes -= len(old.payload)
-                self.stats.add(parts_dropped=1)
-            self.parts.append((f, peer.peer_rank))
-            self.parts_bytes += size
-        self.stats.add(parts_received=1)
+            dropped = self.parts.push(f, peer.peer_rank)
+        self.stats.add(parts_received=1, **({"parts_dropped": dropped} if dropped else {}))
 
     def defer(self, kind: str) -> bool:
         return kind in ("sample", "part")
