@@ -28,6 +28,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECTRAIN = [sys.executable, "-m", "spectrain_operator.cli"]
+# Long enough for the drafters to be up (imports, the target's shared weights, the model) well before
+# the job ends: parts published before the last stage's drafter is ready are refused (not_ready).
+# 60 steps were not always enough in the full suite.
+STEPS = 150
 
 
 def job(target: dict[str, Any], *, pipeline: int, steps: int, drafter: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -68,7 +72,7 @@ def test_eagle3_by_default_features_from_every_stage_exports_conform_generate_is
     from spectrain_workloads.drafter.export import resolve_export
 
     model = build_model(tmp_path / "model", arch, layers=4, seed=2)
-    run = run_job(tmp_path, job({"path": f"file://{model}"}, pipeline=pipeline, steps=60, drafter=drafter))
+    run = run_job(tmp_path, job({"path": f"file://{model}"}, pipeline=pipeline, steps=STEPS, drafter=drafter))
     s = summaries(run)
     last = pipeline - 1
     assert sorted(s) == list(range(pipeline))
