@@ -46,6 +46,17 @@ class AssemblyStats:
                 "featurePartsUnmatched": self.unmatched, "featurePartsRejected": self.rejected}
 
 
+def part_meta(meta: dict) -> tuple[tuple[int, ...], int] | None:
+    """(feature layers, seq_index) of a ring record's meta, or None when they are not well formed
+    (the caller drops the record and counts it)."""
+    layers, seq = meta.get("feature_layers", []), meta.get("seq_index")
+    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        return None
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        return None
+    return tuple(layers), seq
+
+
 class FeatureAssembler:
     def __init__(self, layers: tuple[int, int, int], hidden: int, *, max_pending: int = 256) -> None:
         self.layers, self.hidden, self.max_pending = layers, hidden, max_pending

@@ -94,6 +94,7 @@ class Worker(WindowWork, ExportGate):
         self.data_seen = 0
         self.assembler: FeatureAssembler | None = None     # EAGLE-3 (`_build_trainer`)
         self.parts_early = 0
+        self.parts_malformed = 0       # EAGLE-3 ring records whose meta is not well formed
         self._stamp: tuple[int, ...] | None = None
         self._last: dict[str, float] = {}
         self._last_verify = time.monotonic()

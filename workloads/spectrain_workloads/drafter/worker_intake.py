@@ -22,7 +22,7 @@ import torch
 
 from spectrain_api.names import EAGLE3
 from spectrain_workloads.drafter.combiner import Sample, SampleBuffer
-from spectrain_workloads.drafter.eagle3_assembly import FeatureAssembler
+from spectrain_workloads.drafter.eagle3_assembly import FeatureAssembler, part_meta
 from spectrain_workloads.drafter.fleet import Fleet
 from spectrain_workloads.drafter.gating import Gate, WindowTracker
 from spectrain_workloads.drafter.metrics import Metrics
@@ -53,6 +53,7 @@ class Intake:
     data_seen: int
     assembler: FeatureAssembler | None   # EAGLE-3, once the drafter knows its feature layers
     parts_early: int
+    parts_malformed: int
 
     def _on_events(self, events: list[Any]) -> None:
         if not events:
@@ -102,8 +103,11 @@ class Intake:
                 continue   # overwritten while copying
             step = int(meta.get("step", -1))
             if self.s.arch == EAGLE3:
-                added += self._feature_part(tokens, features, tuple(meta.get("feature_layers") or ()), hidden, step,
-                                            int(meta.get("seq_index", -1)))
+                parsed = part_meta(meta)
+                if parsed is None:               # a malformed record: dropped and counted, never a crash
+                    self.parts_malformed += 1
+                    continue
+                added += self._feature_part(tokens, features, parsed[0], hidden, step, parsed[1])
                 continue
             if self.fleet is not None:
                 self.fleet.share(tokens, hidden, step)

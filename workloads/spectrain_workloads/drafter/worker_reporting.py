@@ -109,7 +109,8 @@ class Reporting:
         sent = fleet.stats.snapshot().get("parts_sent", 0) if fleet is not None else 0
         return {**(a.stats.to_dict() if a is not None else AssemblyStats().to_dict()),
                 "featureSequencesPending": len(a.pending) if a is not None else 0,   # incomplete, still held
-                "featurePartsEarly": getattr(self, "parts_early", 0), "featurePartsSent": sent}
+                "featurePartsEarly": getattr(self, "parts_early", 0),
+                "featureRecordsMalformed": getattr(self, "parts_malformed", 0), "featurePartsSent": sent}
 
     def _summary(self, flush: bool = False) -> None:
         summary = self.summary()

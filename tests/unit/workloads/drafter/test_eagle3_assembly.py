@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spectrain_workloads.drafter import checks
-from spectrain_workloads.drafter.eagle3_assembly import FeatureAssembler
+from spectrain_workloads.drafter.eagle3_assembly import FeatureAssembler, part_meta
 from spectrain_workloads.drafter.fleet_records import raw_bytes
 from spectrain_workloads.drafter.links import Rejected
 
@@ -139,3 +139,12 @@ def test_an_eagle3_sample_is_four_blocks_wide() -> None:
     narrow = {"shapes": [[T], [T, H]], "dtypes": ["int64", "float32"]}
     with pytest.raises(Rejected):
         checks.sample_arrays(narrow, raw_bytes(tokens) + raw_bytes(final), SPEC)
+
+
+def test_a_ring_record_s_meta_is_checked_before_use() -> None:
+    assert part_meta({"feature_layers": [3, 5], "seq_index": 4}) == ((3, 5), 4)
+    assert part_meta({"seq_index": 0}) == ((), 0)                   # the last stage's hidden alone
+    for bad in ({"feature_layers": 3, "seq_index": 0}, {"feature_layers": ["3"], "seq_index": 0},
+                {"feature_layers": [True], "seq_index": 0}, {"feature_layers": [1], "seq_index": "0"},
+                {"feature_layers": [1]}, {"feature_layers": [1], "seq_index": -1}):
+        assert part_meta(bad) is None, bad
