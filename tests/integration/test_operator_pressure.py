@@ -8,7 +8,6 @@ and refuses to adopt an object of a job's name that another owner holds.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.faultproxy import Fault, FaultProxy, Seen, per_second
+from tests.integration.faultproxy import FaultPolicy, FaultProxy, Seen, per_second
 from tests.integration.kubeapi import KubeAPI
 from tests.integration.operator_harness import Env, Operator, apply_crd
 from tests.waiting import wait_for
@@ -68,28 +67,14 @@ def _honoured(seen: list[Seen]) -> tuple[int, list[str]]:
 
 
 def test_converges_under_injected_429_500_409_within_its_qps(kube: KubeAPI, tmp_path: Path, proxy: FaultProxy) -> None:
-    rng = random.Random(7)
-    lock = threading.Lock()
-
-    def decide(method: str, path: str, query: str, body: dict[str, Any] | None) -> Fault | None:
-        if "/namespaces/" not in path:   # the operator's own requests are all namespaced
-            return None
-        with lock:
-            draw = rng.random()
-        # Not on Secrets: the operator may not read them, so a 409 on the fleet key with nothing there
-        # is, to it, a Secret someone else planted (the owner-mismatch test below).
-        if method == "POST" and not path.endswith(("/events", "/secrets")) and draw < CONFLICT_RATE:
-            return Fault(409)
-        if draw < FAULT_RATE / 2:
-            return Fault(429, RETRY_AFTER_S)
-        if draw < FAULT_RATE:
-            return Fault(500)
-        return None
-
+    # Not on Secrets: the operator may not read them, so a 409 on the fleet key with nothing there
+    # is, to it, a Secret someone else planted (the owner-mismatch test below).
+    faults = FaultPolicy(seed=7, fault_rate=FAULT_RATE, retry_after_s=RETRY_AFTER_S, conflict_rate=CONFLICT_RATE,
+                         no_conflict_suffixes=("/events", "/secrets"))
     env = _start(kube, tmp_path, proxy, "pressure")
     try:
         wait_for(lambda: any(s.watch and "pods" in s.path for s in proxy.requests()), 30, what="the pod watch")
-        proxy.decide = decide
+        proxy.set_policy(faults)
         t0 = time.monotonic()
         for i in range(JOBS):
             env.create(_manifest(env, f"j{i:03d}"))
@@ -103,7 +88,7 @@ def test_converges_under_injected_429_500_409_within_its_qps(kube: KubeAPI, tmp_
             wait_for(lambda i=i: env.status(f"j{i:03d}").get("phase"), 60, interval=0.2, what=f"j{i:03d} status")
         took = time.monotonic() - t0
         seen = proxy.requests(t0)
-        proxy.decide = lambda *a: None
+        proxy.set_policy(FaultPolicy())
 
         pods = env.core.list_namespaced_pod(env.ns, label_selector="spectrain.io/job-name").items
         per_job: dict[str, int] = {}
@@ -113,15 +98,15 @@ def test_converges_under_injected_429_500_409_within_its_qps(kube: KubeAPI, tmp_
         maps = env.core.list_namespaced_config_map(env.ns, label_selector="spectrain.io/job-name").items
         assert len(maps) == JOBS, f"{len(maps)} ConfigMaps for {JOBS} jobs"
 
-        faults = {code: sum(1 for s in seen if s.fault == code) for code in (429, 500, 409)}
-        assert all(faults.values()), f"every fault kind injected: {faults}"
+        injected = {code: sum(1 for s in seen if s.fault == code) for code in (429, 500, 409)}
+        assert all(injected.values()), f"every fault kind injected: {injected}"
         checked, early = _honoured(seen)
         assert checked >= 10 and not early, f"Retry-After not honoured ({checked} checked): {early[:5]}"
 
         rates = per_second(seen)
         busy = [s.at for s in seen]
         mean = len(seen) / max(busy[-1] - busy[0], 1e-9)
-        print(f"{JOBS} jobs converged in {took:.1f}s through {len(seen)} requests; injected {faults}; "
+        print(f"{JOBS} jobs converged in {took:.1f}s through {len(seen)} requests; injected {injected}; "
               f"{checked} retries after 429 all waited >= {RETRY_AFTER_S}s; requests/s: mean {mean:.1f}, "
               f"densest 1-s window {max(rates)} (limit: qps {QPS}, burst {BURST})")
         # The token bucket's bound: at most burst + qps * T in any T seconds (kopf's own few watch
@@ -134,7 +119,7 @@ def test_converges_under_injected_429_500_409_within_its_qps(kube: KubeAPI, tmp_
 
 def test_recovers_from_dropped_watches_and_watches_only_job_pods(kube: KubeAPI, tmp_path: Path,
                                                                   proxy: FaultProxy) -> None:
-    proxy.drop_watches_after_s = 2.0
+    proxy.set_policy(FaultPolicy(drop_watches_after_s=2.0))
     env = _start(kube, tmp_path, proxy, "drops")
     try:
         env.create(_manifest(env, "w1"))

@@ -26,7 +26,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -186,6 +186,18 @@ class Env:
 # The scenarios of the cluster-wide installs run in namespaces of their own: `clusterWide` opted in.
 CLUSTER_VALUES: dict[str, Any] = {"clusterWide": True}
 HA_VALUES = {"replicaCount": 2, "leaderElection": {"leaseDurationSeconds": 8}, "clusterWide": True}
+
+
+@pytest.fixture(name="kube", scope="module")
+def own_kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeAPI]:
+    """An apiserver of this module's own: the cluster-wide installs list and reconcile every
+    SpecTrainJob in the cluster, and each minimality run starts a fresh operator, so the jobs other
+    modules leave behind would be reconciled again by each of them."""
+    api = KubeAPI(tmp_path_factory.mktemp("rbac-kube")).start()
+    try:
+        yield api
+    finally:
+        api.cleanup()
 
 
 @pytest.fixture(scope="module")
