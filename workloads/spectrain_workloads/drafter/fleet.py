@@ -161,8 +161,12 @@ class Fleet(StarWeights):
             return ("role" if peer.peer_rank not in self.cfg.sample_sources
                     else "not_ready" if self.target is None else None)
         if kind == "part":     # from the other stages of this replica, to its assembler only
-            return ("role" if self.cfg.rank != self.cfg.assembler or peer.peer_rank not in self.cfg.sample_ranks
-                    else "not_ready" if self.target is None or not self.feature_layers else None)
+            # Taken before this drafter is ready too: the other stages' drafters may start first, and
+            # their parts would be lost; they wait in the bounded parts inbox, and each is checked
+            # (MAC, part_arrays against the target) when taken, once `expect` has run.
+            if self.cfg.rank != self.cfg.assembler or peer.peer_rank not in self.cfg.sample_ranks:
+                return "role"
+            return "role" if self.target is not None and not self.feature_layers else None
         if kind == "contrib":
             return "role" if not self.is_coordinator else "not_ready" if self.table is None else None
         if kind == "hello":

@@ -195,3 +195,36 @@ def test_a_late_drafter_gets_the_newest_combined_version_and_a_dead_coordinator_
         assert time.monotonic() - t0 < 1.0
     finally:
         late.close()
+
+
+def test_parts_sent_before_the_assembler_is_ready_wait_for_it() -> None:
+    """A first stage's EAGLE-3 part that reaches the last stage before its drafter has its model is
+    kept (bounded) and read once the model exists; a drafter without feature layers refuses parts."""
+    ports = free_ports(2)             # pipeline 2: rank 1 (last stage) assembles
+    spec = TargetSpec(vocab=1000, hidden=4, max_tokens=64)
+    sender = _fleet(0, ports, pipeline=2, coordinator=1)
+    sender.use_features((1,))
+    late = Fleet(FleetConfig(rank=1, world=2, pipeline=2, coordinator=1,
+                             addresses=[("127.0.0.1", p) for p in ports], key=KEY, job_uid="job"))
+    try:
+        tokens, feats = torch.arange(8), torch.randn(8, 4).to(torch.bfloat16)
+        sender.send_part(tokens, feats, (1,), step=4, seq_index=2)
+        wait_for(lambda: late.stats.snapshot().get("parts_received", 0) == 1, timeout=10)
+        late.use_features((1, 2, 3))
+        late.expect(WEIGHTS, spec)
+        ((t, f, layers, step, seq),) = late.take_parts(8)
+        assert torch.equal(t, tokens) and torch.equal(f, feats) and (layers, step, seq) == ((1,), 4, 2)
+        assert late.stats.rejected() == {}
+    finally:
+        sender.close()
+        late.close()
+    ports = free_ports(2)
+    sender = _fleet(0, ports, pipeline=2, coordinator=1)
+    eagle1 = _fleet(1, ports, pipeline=2, coordinator=1)          # ready, no feature layers
+    try:
+        sender.send_part(torch.arange(8), torch.randn(8, 4).to(torch.bfloat16), (1,), step=4, seq_index=2)
+        wait_for(lambda: eagle1.stats.rejected().get("role", 0) == 1, timeout=10)
+        assert eagle1.take_parts(8) == []
+    finally:
+        sender.close()
+        eagle1.close()
