@@ -26,6 +26,11 @@ Keys: min_ratio (goal >= 0.97 in every cell) and the cell it comes from; ratio_t
 over the untrained cells); acceptance_{quality} (tokens per verification at batch 1, temperature 1);
 detail.<quality>_bs<B>_t<T>: ratio, spread, pairs, times, acceptance, plain_share, k_histogram.
 load_average: os.getloadavg() before and after (this machine is shared).
+
+A/A control: the same protocol with a plain engine on both sides (aa_bs<B>_t<T>, every batch and
+temperature): both sides do identical work, so aa_min_ratio / aa_max_ratio show how far a cell's median
+strays from 1 by noise alone on this machine in this run. A cell below 0.97 by no more than the A/A
+cells stray is not evidence of a loss.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ def mixed(init: Transformer, trained: Transformer, lam: float) -> Transformer:
     return out.eval()
 
 
-def cell(target: Transformer, drafter: Transformer, prompts: list[list[int]], *, temperature: float, new: int,
+def cell(target: Transformer, drafter: Transformer | None, prompts: list[list[int]], *, temperature: float, new: int,
          reps: int) -> dict[str, Any]:
     cfg = RolloutConfig(max_new_tokens=new, temperature=temperature, eos_id=None, max_draft_tokens=MAX_DRAFT,
                         batch_threshold=BATCH_THRESHOLD, strategy="Bandit")
@@ -127,6 +132,14 @@ def main() -> None:
                       f"CPU-time ratio {c['ratio_cpu']:.3f} ({c['spread_cpu'][0]:.2f}-{c['spread_cpu'][1]:.2f}), "
                       f"acceptance {c['acceptance_length']:.2f}, plain share {c['plain_share']:.2f}, "
                       f"k {c['k_histogram']}", flush=True)
+    aa: dict[str, Any] = {}
+    for temperature in TEMPERATURES:
+        for bs in BATCHES:
+            key = f"aa_bs{bs}_t{int(temperature)}"
+            aa[key] = c = cell(models[temperature][0], None, text_prompts(corpus, bs, seed=100 + bs),
+                               temperature=temperature, new=new, reps=reps)
+            print(f"{key} (plain vs plain): ratio {c['ratio']:.3f} (pairs {c['spread'][0]:.2f}-{c['spread'][1]:.2f})",
+                  flush=True)
     worst = min(detail, key=lambda k: detail[k]["ratio"])
     worst_cpu = min(detail, key=lambda k: detail[k]["ratio_cpu"])
     untrained = [c for k, c in detail.items() if k.startswith("untrained")]
@@ -138,10 +151,12 @@ def main() -> None:
         "plain_share_untrained": sum(c["plain_share"] for c in untrained) / len(untrained),
         **{f"acceptance_{name}": detail[f"{name}_bs1_t1"]["acceptance_length"] for name in QUALITY},
         "cells_below_0.97": sorted(k for k, c in detail.items() if c["ratio"] < 0.97),
+        "aa_min_ratio": min(c["ratio"] for c in aa.values()),
+        "aa_max_ratio": max(c["ratio"] for c in aa.values()),
     }
     results["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
     results["wall_s"] = time.perf_counter() - t_start
-    write_results("controller", {**results, "detail": detail, "quality_lambda": QUALITY, "new_tokens": new,
+    write_results("controller", {**results, "detail": detail, "aa": aa, "quality_lambda": QUALITY, "new_tokens": new,
                                  "pairs": reps}, args.quick)
     print_table("bench-controller (adaptive vs plain; quality x batch x temperature)",
                 {k: v for k, v in results.items() if k != "load_average"})

@@ -30,9 +30,19 @@ n + 1 trials), forgetting old trials beyond `forget_trials` (the drafter keeps t
 run), shrunk toward the pooled estimate of all buckets with `shrink` pseudo-trials; the pooled one
 starts from a prior of `prior_trials` trials at `prior_alpha`.
 
+Measured value (rows running to their budget, no EOS). `progress` takes rows alike; they are not (one
+prompt's continuation is easy to draft, another's is not). What a step is worth is how much sooner the
+batch can finish: F(left) = plain decoding's time to finish rows with `left` tokens to go, where rows
+drop out as they finish and the batch compacts to smaller buckets (`finish_time`, from the measured
+plain step times). Each speculative step reports `left` before and after; its realized value is
+(F(before) - F(after)) / P(nb) plain steps' worth (a plain step is worth exactly 1; easy rows running
+ahead are worth what their finishing early saves). Per bucket the controller keeps realized over
+predicted extra value (value - 1), from `value_prior` predicted extra tokens at ratio 1 and
+forgetting beyond `forget_tokens`, and scales every arm's extra progress by it.
+
 Exploration budget. A step that the estimates do not choose (a probe of k > 0 while plain wins, or a
 plain step while speculating, which keeps P current) is charged its regret: its time minus the time
-the chosen policy needs for the tokens the step committed. Such steps run only while the charged
+the chosen policy needs for the tokens the step committed (without EOS: for its realized value). Such steps run only while the charged
 regret is <= `explore` x the time of every recorded step, so exploration costs at most that share
 of decode time plus one step. A probe runs when an optimistic acceptance (mean + 2 standard errors)
 says drafting could win, or when the bucket has not been probed for `stale_steps` steps (a drafter
@@ -92,12 +102,14 @@ class DraftController:
     def __init__(self, *, max_draft: int, batch_threshold: int, strategy: str, margin: float = 0.08,
                  explore: float = 0.02, window: int = 9, min_samples: int = 3, stale_steps: int = 256,
                  replan_every: int = 16, remeasure_every: int = 64, prior_alpha: float = 0.5,
-                 prior_trials: float = 2.0, forget_trials: float = 512.0, shrink: float = 4.0) -> None:
+                 prior_trials: float = 2.0, forget_trials: float = 512.0, shrink: float = 4.0,
+                 value_prior: float = 4.0, forget_tokens: float = 256.0) -> None:
         self.max_draft, self.batch_threshold, self.strategy = max_draft, batch_threshold, strategy
         self.margin, self.explore, self.window, self.min_samples = margin, explore, window, min_samples
         self.stale_steps, self.replan_every, self.remeasure_every = stale_steps, replan_every, remeasure_every
         self.prior_alpha, self.prior_trials = prior_alpha, prior_trials
         self.forget_trials, self.shrink = forget_trials, shrink
+        self.value_prior, self.forget_tokens = value_prior, forget_tokens
         self.arms = sorted({k for k in ARMS if k <= max_draft} | {max_draft})
         self.step_s: dict[tuple[int, int], _Window] = {}              # (bucket, k) -> seconds per step
         self.fwd_s: dict[tuple[str, int], dict[int, _Window]] = {}    # (kind, bucket) -> T -> seconds per forward
@@ -105,7 +117,7 @@ class DraftController:
         self.calibrated: set[int] = set()
         self.elapsed_s = 0.0            # every recorded step
         self.regret_s = 0.0             # exploration steps' charged regret
-        self._plan: dict[int, tuple[int, float, int, float, float]] = {}   # bucket -> _replan's
+        self._plan: dict[int, tuple[int, float, int, float, float, float]] = {}   # bucket -> _replan's
         self._plan_age: dict[int, int] = {}
         self._since_probe: dict[int, int] = {}
         self._spec_run: dict[int, int] = {}                            # spec steps since plain was measured
@@ -126,6 +138,7 @@ class DraftController:
         else:
             self.accepted, self.trials = self.prior_alpha * self.prior_trials, self.prior_trials
         self.acc: dict[int, tuple[float, float]] = {}                  # bucket -> (accepted, trials)
+        self.extra: dict[int, tuple[float, float]] = {}                # bucket -> (realized, predicted) extra value
         self._since_probe.clear()
         self._plan.clear()
 
@@ -147,6 +160,33 @@ class DraftController:
         acc, tr = self.acc.get(bucket, (0.0, 0.0))
         n = tr + self.shrink
         return min((acc + self.shrink * self.alpha) / n, 0.999), n
+
+    def value_ratio(self, bucket: int) -> float:
+        """Realized / predicted extra value of this bucket's speculative steps (rows to their budget)."""
+        real, pred = self.extra.get(bucket, (0.0, 0.0))
+        return max(0.0, (real + self.value_prior) / (pred + self.value_prior))
+
+    def finish_time(self, left: list[int], bucket: int) -> float:
+        """F: plain decoding's seconds to finish rows with `left` tokens to go in `bucket`. With rows
+        sorted longest first, while the i longest are active every step costs the plain time of the
+        bucket they compact to (the power of two >= i, at most `bucket`; a bucket not measured yet costs
+        the nearest measured larger one's, assuming no saving)."""
+        rows = sorted((x for x in left if x > 0), reverse=True)
+        base = self.plain_time(bucket) or 0.0
+        prices: dict[int, float] = {}
+
+        def price(active: int) -> float:
+            b = min(bucket, 1 << max(0, active - 1).bit_length())
+            if b not in prices:
+                c = b
+                while c < bucket and self.plain_time(c) is None:
+                    c *= 2
+                prices[b] = (self.plain_time(c) or base) if c < bucket else base
+            return prices[b]
+        total = 0.0
+        for i, x in enumerate(rows):
+            total += (x - (rows[i + 1] if i + 1 < len(rows) else 0)) * price(i + 1)
+        return total
 
     @staticmethod
     def expected_tokens(k: int, a: float) -> float:
@@ -223,20 +263,29 @@ class DraftController:
         plain = self.plain_time(bucket) or 0.0
         return {k: self.expected_tokens(k, a) * plain / max(self.step_time(bucket, k), 1e-12) for k in self.arms}
 
-    def _replan(self, bucket: int, n_active: int = 1,
-                horizon: int | None = None) -> tuple[int, float, int, float, float]:
-        """(best arm, its gain, best arm at an optimistic acceptance, its gain, the acceptance used);
-        gains from `progress` (n_active rows, horizon: the largest remaining budget, None with EOS)."""
+    def _replan(self, bucket: int, n_active: int = 1, horizon: int | None = None,
+                store: bool = True) -> tuple[int, float, int, float, float, float]:
+        """(best arm, its gain, best arm at an optimistic acceptance, its gain, the acceptance used, the
+        value ratio used); gains from `progress` (n_active rows, horizon: the largest remaining budget,
+        None with EOS), their extra tokens scaled by `value_ratio` without EOS."""
         a, n = self.alpha_for(bucket)
         a_opt = min(0.999, a + 2 * math.sqrt(max(a * (1 - a), 0.05 * 0.95) / n))
         plain = self.plain_time(bucket) or 0.0
         cost = {k: max(self.step_time(bucket, k), 1e-12) for k in self.arms}
-        g = {k: self.progress(k, a, n_active, horizon) * plain / cost[k] for k in self.arms}
-        go = {k: self.progress(k, a_opt, n_active, horizon) * plain / cost[k] for k in self.arms}
+        ratio = self.value_ratio(bucket) if horizon is not None else 1.0
+
+        def gain(k: int, alpha: float, r: float) -> float:
+            return (1 + (self.progress(k, alpha, n_active, horizon) - 1) * r) * plain / cost[k]
+        g = {k: gain(k, a, ratio) for k in self.arms}
+        # Optimism for probing: the value ratio too (it may have been learnt while the small buckets'
+        # prices were unknown, and it changes only when this bucket speculates).
+        go = {k: gain(k, a_opt, max(ratio, 1.0)) for k in self.arms}
         k = max(self.arms, key=lambda j: (g[j], -j))
         k_opt = max(self.arms, key=lambda j: (go[j], -j))
-        plan = self._plan[bucket] = (k, g[k], k_opt, go[k_opt], a)
-        self._plan_age[bucket] = 0
+        plan = (k, g[k], k_opt, go[k_opt], a, ratio)
+        if store:       # a plan for pricing only (store False) must not replace the one choose() made
+            self._plan[bucket] = plan
+            self._plan_age[bucket] = 0
         return plan
 
     # ---- decision
@@ -259,7 +308,7 @@ class DraftController:
         plan = self._plan.get(bucket)
         if plan is None or age >= self.replan_every:
             plan = self._replan(bucket, n_active, horizon() if horizon is not None else None)
-        k, gain, k_opt, gain_opt, _ = plan
+        k, gain, k_opt, gain_opt, _, _ = plan
         if gain > 1 + self.margin:
             run = self._spec_run.get(bucket, 0) + 1
             self._spec_run[bucket] = run
@@ -298,6 +347,24 @@ class DraftController:
         if plan is not None and abs(self.alpha_for(bucket)[0] - plan[4]) > self.REPLAN_ALPHA:
             del self._plan[bucket]
 
+    def record_value(self, bucket: int, k: int, before: list[int], after: list[int]) -> None:
+        """A step with k drafts (rows running to their budget) took the active rows from `before` to
+        `after` tokens to go."""
+        plain = self.plain_time(bucket)
+        if not plain or not before:
+            return
+        realized = (self.finish_time(before, bucket) - self.finish_time(after, bucket)) / plain
+        self._tokens_per_row = realized         # what an exploring step is charged against
+        predicted = min(self.progress(k, self.alpha_for(bucket)[0], len(before), max(before)), max(before))
+        real, pred = self.extra.get(bucket, (0.0, 0.0))
+        real, pred = real + realized - 1, pred + predicted - 1
+        if pred > self.forget_tokens:
+            real, pred = real * self.forget_tokens / pred, self.forget_tokens
+        self.extra[bucket] = (real, pred)
+        plan = self._plan.get(bucket)
+        if plan is not None and abs(self.value_ratio(bucket) - plan[5]) > 0.05:
+            del self._plan[bucket]
+
     def _forget(self, accepted: float, trials: float) -> tuple[float, float]:
         if trials <= self.forget_trials:
             return accepted, trials
@@ -314,7 +381,7 @@ class DraftController:
             if len(self.step_s[(bucket, k)]) <= self.min_samples:     # the arm's price just changed source
                 self._plan.pop(bucket, None)
         if self._explore_step:
-            plan = self._plan.get(bucket) or (self._replan(bucket) if (bucket, 0) in self.step_s else None)
+            plan = self._plan.get(bucket) or (self._replan(bucket, store=False) if (bucket, 0) in self.step_s else None)
             if plan is not None:
                 k_best, gain = plan[0], plan[1]
                 per_token = (self.step_time(bucket, k_best) / self.expected_tokens(k_best, self.alpha_for(bucket)[0])

@@ -324,8 +324,10 @@ class RolloutEngine:
                    and (st.decode_steps > 0 or min(lens) > self.drafter.offset))
             if can and cfg.strategy == BANDIT and self.nb not in self.controller.calibrated:
                 self._calibrate()
-            k = self.controller.choose(self.nb, n_active, can, horizon_fn)
+            # A step's price is all it costs: the choice, the forwards and the bookkeeping after them
+            # (a speculative step's is heavier: unpriced, it made drafting look cheaper than it is).
             t0 = self.clock()
+            k = self.controller.choose(self.nb, n_active, can, horizon_fn)
             old_len = self.length
             last = self.tok[self.rows, self.length - 1]                                       # [nb]
             if k == 0:
@@ -356,16 +358,20 @@ class RolloutEngine:
             act = self.active
             self.active = self.active & ~done
             # bookkeeping (one host sync)
-            dt = self.clock() - t0
             st.decode_steps += 1
             st.committed += int(cnt.sum())
             st.trace.append((n_active, self.nb, k))
             if k > 0:
                 self.controller.record_acceptance(n_acc[act], k, self.nb)
+                if cfg.eos_id is None:      # what the step saved: the rows' tokens to go, before and after
+                    self.controller.record_value(self.nb, k, (self.limit - old_len)[act].tolist(),
+                                                 (self.limit - self.length)[act].tolist())
                 st.spec_steps += 1
                 st.verified_rows += n_active
                 st.accepted += int(n_acc[act].sum())
                 st.drafted += k * n_active
+            dt = self.clock() - t0
+            if k > 0:
                 # a long catch-up (after plain steps) is the price of switching, not of this arm: count
                 # it as the steady state's one drafter forward
                 dt = dt - catchup + (self.controller.forward_time("draft", self.nb, 1) or catchup)
