@@ -94,7 +94,7 @@ class FaultProxy:
         self.port = free_port()
         self._proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, policy: FaultPolicy | None = None) -> FaultProxy:
+    def start(self) -> FaultProxy:
         log = open(self.root / "faultproxy.log", "wb")  # noqa: SIM115 - the child keeps it
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.faultproxy", "--port", str(self.port),
@@ -111,7 +111,6 @@ class FaultProxy:
             except OSError:
                 return False
         wait_for(up, 30, interval=0.05, what="the fault proxy")
-        self.set_policy(policy or FaultPolicy())
         return self
 
     def stop(self) -> None:

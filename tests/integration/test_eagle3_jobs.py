@@ -28,9 +28,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECTRAIN = [sys.executable, "-m", "spectrain_operator.cli"]
-# Long enough for the drafters to be up (imports, the target's shared weights, the model) well before
-# the job ends: parts published before the last stage's drafter is ready are refused (not_ready).
-# 60 steps were not always enough in the full suite.
+# Long enough for every stage's drafter to be up (imports, the target's shared weights, the model) and
+# harvesting well before the job ends, also under the full suite's load.
 STEPS = 150
 
 

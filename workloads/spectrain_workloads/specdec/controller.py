@@ -42,8 +42,9 @@ forgetting beyond `forget_tokens`, and scales every arm's extra progress by it.
 
 Exploration budget. A step that the estimates do not choose (a probe of k > 0 while plain wins, or a
 plain step while speculating, which keeps P current) is charged its regret: its time minus the time
-the chosen policy needs for the tokens the step committed (without EOS: for its realized value). Such steps run only while the charged
-regret is <= `explore` x the time of every recorded step, so exploration costs at most that share
+the chosen policy needs for the tokens the step committed (without EOS: for its realized value). Such
+steps run only while the charged regret is <= `explore` x the time of every recorded step, so
+exploration costs at most that share
 of decode time plus one step. A probe runs when an optimistic acceptance (mean + 2 standard errors)
 says drafting could win, or when the bucket has not been probed for `stale_steps` steps (a drafter
 that improved is noticed even after its estimate settled at "useless").

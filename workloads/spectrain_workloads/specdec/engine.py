@@ -325,7 +325,7 @@ class RolloutEngine:
             if can and cfg.strategy == BANDIT and self.nb not in self.controller.calibrated:
                 self._calibrate()
             # A step's price is all it costs: the choice, the forwards and the bookkeeping after them
-            # (a speculative step's is heavier: unpriced, it made drafting look cheaper than it is).
+            # (a speculative step's bookkeeping is heavier; left out, drafting would look cheaper).
             t0 = self.clock()
             k = self.controller.choose(self.nb, n_active, can, horizon_fn)
             old_len = self.length
