@@ -508,8 +508,9 @@ def status_schema() -> dict[str, Any]:
                          "pod mounts it: the operator may not read Secrets, so a Secret of that name it finds "
                          "existing is accepted as the job's own only when this is set."),
         "drafterDisabled": b("The drafter was turned off: disabled in place (past drafter.maxFailures, or a "
-                             f"drafter failurePolicy rule; pods annotated {C.ANNOTATION_DRAFTER_DISABLED}, the "
-                             "target untouched), or by a RestartWithoutDrafter restart. Pods of later restart "
+                             "drafter failurePolicy rule; the sidecars of drafterDisabledGeneration read this "
+                             f"and idle, pods created in it carry {C.ANNOTATION_DRAFTER_DISABLED}, the target "
+                             "is untouched), or by a RestartWithoutDrafter restart. Pods of later restart "
                              "generations have no drafter."),
         "drafterDisabledGeneration": i("Restart generation whose pods had the drafter when it was disabled "
                                        "(they keep an idle sidecar); later generations are built without it.",
@@ -534,6 +535,14 @@ def status_schema() -> dict[str, Any]:
             "tokensPerSecond": n("Throughput of the job.", nullable=True),
             "updatedAt": s("When rank 0 last reported.", nullable=True),
         }),
+        C.STATUS_REPORTS: o("What each pod reports (the status path: written by the job's own pods, read by the "
+                            "operator into progress and drafter), by pod UID. The operator deletes the "
+                            "entries of pods that are gone.",
+                            additionalProperties=o("One pod's reports.", {
+                                C.REPORT_POD: s("The pod's name.", maxLength=253),
+                                C.REPORT_PROGRESS: s("Rank 0's training progress, JSON.", maxLength=C.MAX_REPORT_CHARS),
+                                C.REPORT_DRAFTER: s("The pod's drafter summary, JSON.", maxLength=C.MAX_REPORT_CHARS),
+                            }), maxProperties=4 * MAX_NODES),
         "drafter": o("Drafter summary across ranks.", {
             "state": s("Drafter state.", enum=["Disabled", "Waiting", "Active", "Degraded"]),
             "activeRanks": i("Ranks whose drafter is Active.", minimum=0),

@@ -101,8 +101,9 @@ ENV_DEVICE = "SPECTRAIN_DEVICE"
 ENV_METRICS_PORT = "SPECTRAIN_METRICS_PORT"
 ENV_TERMINATION_LOG = "SPECTRAIN_TERMINATION_LOG"   # where entrypoints write their fatal error
 ENV_DATA_ROOT = "SPECTRAIN_DATA_ROOT"               # where the data claims are mounted
-ENV_POD_NAME = "SPECTRAIN_POD_NAME"                 # the pod's own name and namespace (downward API): the
-ENV_POD_NAMESPACE = "SPECTRAIN_POD_NAMESPACE"       # status path patches the pod's annotations
+ENV_POD_NAME = "SPECTRAIN_POD_NAME"                 # the pod's own name, namespace and UID (downward API):
+ENV_POD_NAMESPACE = "SPECTRAIN_POD_NAMESPACE"       # the status path keys its reports in the job's status
+ENV_POD_UID = "SPECTRAIN_POD_UID"                   # by the pod's UID
 ENV_GPU_SHARING = "SPECTRAIN_GPU_SHARING"           # spec.gpuSharing.mode, for the drafter's NVML report
 # Every pod's drafter address (`host:port` per node), the address a drafter binds to when not its
 # pod's own (`spectrain run`: loopback), and the TCPStore of the AllReduce engine.
@@ -116,15 +117,22 @@ ENV_FLEET_KEY_FILE = "SPECTRAIN_FLEET_KEY_FILE"
 ENV_JOB_UID = "SPECTRAIN_JOB_UID"
 ENV_RESTART_GENERATION = "SPECTRAIN_RESTART_GENERATION"
 ENV_POD_IPS = "SPECTRAIN_POD_IPS"
-# A drafter disabled in place (past drafter.maxFailures): the operator sets this pod annotation, the
-# sidecar reads it from the downward-API file named by ENV_DRAFTER_CONTROL and idles (stays up, never
-# touches the GPU or the ring again); the target's pods are neither deleted nor restarted.
+# A drafter disabled in place (past drafter.maxFailures): the operator records it in the job's status
+# (status.drafterDisabled), which the sidecar reads through the status path's ServiceAccount; pods
+# the operator creates in that restart generation also carry this annotation, which the sidecar reads
+# from the downward-API file named by ENV_DRAFTER_CONTROL. Either way it idles (stays up, never touches
+# the GPU or the ring again); the target's pods are neither deleted nor restarted.
 ENV_DRAFTER_CONTROL = "SPECTRAIN_DRAFTER_CONTROL"
 ANNOTATION_DRAFTER_DISABLED = "spectrain.io/drafter-disabled"
-# The status path (spectrain_workloads.podstatus writes them on the pod, the operator's status policies
-# read them): rank 0's training progress and each drafter's summary, as JSON.
-ANNOTATION_PROGRESS = "spectrain.io/progress"
-ANNOTATION_DRAFTER = "spectrain.io/drafter"
+# The status path (spectrain_workloads.podstatus writes, the operator's status policies read): each
+# pod merge-patches status.reports.<its UID> of its own job = {pod, progress, drafter}, where
+# `progress` (rank 0's training progress) and `drafter` (the pod's drafter summary) are JSON text of at
+# most MAX_REPORT_CHARS. The pods' Role allows patching that one job's status, nothing of any pod.
+STATUS_REPORTS = "reports"
+REPORT_POD = "pod"
+REPORT_PROGRESS = "progress"
+REPORT_DRAFTER = "drafter"
+MAX_REPORT_CHARS = 4096
 DEVICES = ("auto", "cpu", "cuda")
 # The workload image's non-root user (workloads/Dockerfile ARG UID/GID): the operator's pods run as it
 # by default (Pod Security "restricted"), and PodLocalMPS's one shared UID defaults to it.

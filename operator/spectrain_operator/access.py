@@ -1,5 +1,5 @@
 """What a job's pods may do and reach, as pure builders: the Pod Security "restricted" contexts every
-container runs under, the status path's ServiceAccount/Role/RoleBinding (patch its own pods only),
+container runs under, the status path's ServiceAccount/Role/RoleBinding (its own job's status only),
 the drafters' per-job fleet key Secret, and the job's NetworkPolicy. docs/operations.md, "Security",
 explains the trust model these objects implement.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import copy
 
-from spectrain_api.names import IMAGE_GID, IMAGE_UID
+from spectrain_api.names import GROUP, IMAGE_GID, IMAGE_UID, PLURAL
 from spectrain_operator.objects import LABEL_JOB, Obj
 from spectrain_operator.objects import child_metadata as _meta
 
@@ -53,14 +53,19 @@ def container_security_context(overrides: Obj | None = None) -> Obj:
     return _overlay(CONTAINER_SECURITY_DEFAULTS, overrides)
 
 
-def status_rbac(job: Obj, name: str, pod_names: list[str]) -> list[Obj]:
-    """ServiceAccount + Role (patch only its own pods, by name) + RoleBinding `name` for the status path."""
+def status_rbac(job: Obj, name: str) -> list[Obj]:
+    """ServiceAccount + Role + RoleBinding `name` for the status path (spectrain_workloads.podstatus):
+    `patch` on this job's status subresource (the pods' reports, status.reports) and `get` on this job
+    (a drafter learns there that it was disabled), both by name; nothing of any pod or other job. The
+    operator holds both verbs, which is what RBAC asks of whoever grants them."""
     ns = job["metadata"].get("namespace", "default")
+    job_name = [job["metadata"]["name"]]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(job, name)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(job, name),
-         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"],
-                    "resourceNames": list(pod_names)}]},
+         "rules": [{"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["patch"],
+                    "resourceNames": job_name},
+                   {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get"], "resourceNames": job_name}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(job, name),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]},

@@ -35,6 +35,7 @@ from spectrain_api.names import (
     ENV_POD_IPS,
     ENV_POD_NAME,
     ENV_POD_NAMESPACE,
+    ENV_POD_UID,
     ENV_RESTART_GENERATION,
     ENV_RING_DIR,
     ENV_RUN_DIR,
@@ -52,7 +53,6 @@ from spectrain_operator.objects import (
     owner_reference,
     parse_quantity,
     pod_name,
-    pod_names,
     pod_object_name,
     service_name,
     status_account_name,
@@ -77,7 +77,8 @@ TARGET_METRICS_PORT_NAME = "metrics"
 DRAFTER_METRICS_PORT_NAME = "dmetrics"
 DRAFTER_PORT = 29600       # the drafters' exchange (drafter.fleet); local rank i listens on + i
 # The drafter's downward-API file of its pod's annotations (kubelet format: one `key="value"` line
-# each): the operator disables a drafter in place by annotating its pod (ANNOTATION_DRAFTER_DISABLED).
+# each): a pod created in the generation whose drafter was disabled in place carries
+# ANNOTATION_DRAFTER_DISABLED (pods already running read status.drafterDisabled instead).
 PODINFO_DIR = f"{CONFIG_DIR}/podinfo"
 PODINFO_ANNOTATIONS = "annotations"
 # The drafters' fleet key (spectrain_operator.access), mounted read-only into the drafter container only.
@@ -170,6 +171,7 @@ def _env(job: Obj, node: int, drafter_on: bool, metrics_port: int) -> list[Obj]:
         {"name": ENV_METRICS_PORT, "value": str(metrics_port)},
         {"name": ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": ENV_POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
         {"name": "RANK", "value": str(node * procs)},
         {"name": "NODE_RANK", "value": str(node)},
         {"name": "WORLD_SIZE", "value": str(int(t["nodes"]) * procs)},
@@ -369,7 +371,7 @@ def children(job: Obj, fleet_key: bytes | None = None) -> list[Obj]:
            if fleet_key is not None and drafter_runs(job) else [])
     policy = ([access.network_policy(job, network_policy_name(job), metrics_ports(job))]
               if access.network_policy_enabled(job) else [])
-    return [*access.status_rbac(job, status_account_name(job), pod_names(job)), config_map(job), service(job),
+    return [*access.status_rbac(job, status_account_name(job)), config_map(job), service(job),
             *policy, *key]
 
 

@@ -144,6 +144,8 @@ def job_event(type: str | None, body: Mapping[str, Any], namespace: str | None, 
     if needs_pass(type, body):
         # A new job's own event is as fresh as a read (see Reconciler.trigger): one GET less per job.
         reconciler().handle(namespace, name, copy.deepcopy(dict(body)) if type == "ADDED" else None)
+    elif reconciler().reports_changed(namespace, name, body.get("status")):
+        reconciler().pod_changed(namespace, name)   # a pod's report (the status path): batched like pod changes
 
 
 @kopf.on.event("v1", "pods", labels={builders.LABEL_JOB: kopf.PRESENT})

@@ -151,20 +151,12 @@ def pod_object_name(job: Obj, node: int, generation: int = 0) -> str:
     generations) and `<job>-<node>-r` (odd): Kueue's plain-pod-group integration keeps a pod that
     ended (its `kueue.x-k8s.io/managed` finalizer) until a replacement pod of the group exists, so a
     replacement cannot reuse the old pod's name. The pod two generations back is gone by then (Kueue
-    finalizes replaced pods), so two names suffice and the status Role can list them all.
+    finalizes replaced pods), so two names suffice.
     """
     from spectrain_operator import scheduling
 
     base = pod_name(job, node)
     return f"{base}-r" if generation % 2 and scheduling.kueue_queue(job) else base
-
-
-def pod_names(job: Obj) -> list[str]:
-    """Every name a pod of the job can have (the status Role allows patching exactly these)."""
-    from spectrain_operator import scheduling
-
-    nodes = range(int(job["spec"]["target"]["nodes"]))
-    return [pod_object_name(job, n, g) for g in ((0, 1) if scheduling.kueue_queue(job) else (0,)) for n in nodes]
 
 
 def network_policy_name(job: Obj) -> str:

@@ -3,7 +3,8 @@
 Every accessor is defensive: a field missing, null or of the wrong type reads as "not there",
 never raises, because a pod's status is written by kubelets, Kueue and users, not by the
 operator. The operator's own labels (builders.LABEL_NODE, builders.LABEL_GENERATION) and
-annotations are read here too. Timestamps are RFC 3339 in UTC ("2026-01-01T12:00:00Z");
+annotations are read here too, and so are the reports each pod writes into its job's status
+(names.STATUS_REPORTS, keyed by the pod's UID: written by the job's pods, so read as untrusted). Timestamps are RFC 3339 in UTC ("2026-01-01T12:00:00Z");
 `parse_time` reads them as aware datetimes, so any two compare.
 """
 
@@ -13,11 +14,11 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
+from spectrain_api.names import MAX_REPORT_CHARS, REPORT_POD, STATUS_REPORTS
 from spectrain_operator import builders
 from spectrain_operator.objects import TARGET, Obj
 
 FINISHED_PHASES = ("Succeeded", "Failed")  # a pod in one of these runs no container any more
-MAX_ANNOTATION_CHARS = 65536                # a JSON annotation longer than this is ignored unread
 
 
 # ---------------------------------------------------------------- timestamps
@@ -70,10 +71,21 @@ def pod_node(pod: Obj) -> int | None:
     return _int_label(pod, builders.LABEL_NODE)
 
 
-def annotation(pod: Obj, key: str) -> Obj | None:
-    """A JSON-object annotation, or None (missing, too long, not JSON, not an object)."""
-    raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(key)
-    if not isinstance(raw, str) or len(raw) > MAX_ANNOTATION_CHARS:
+def uid(pod: Obj) -> str:
+    value = (pod.get("metadata") or {}).get("uid")
+    return value if isinstance(value, str) else ""
+
+
+def report(job_status: Any, pod: Obj, kind: str) -> Obj | None:
+    """The pod's `kind` report (names.REPORT_PROGRESS / REPORT_DRAFTER) from its job's status, written
+    by this very pod (keyed by its UID, naming it): a JSON object, or None (missing, too long, not
+    JSON, not an object, or left by an earlier pod of the same name)."""
+    reports = job_status.get(STATUS_REPORTS) if isinstance(job_status, dict) else None
+    entry = reports.get(uid(pod)) if isinstance(reports, dict) and uid(pod) else None
+    if not isinstance(entry, dict) or entry.get(REPORT_POD) != name(pod):
+        return None
+    raw = entry.get(kind)
+    if not isinstance(raw, str) or len(raw) > MAX_REPORT_CHARS:
         return None
     try:
         data = json.loads(raw)
@@ -82,9 +94,12 @@ def annotation(pod: Obj, key: str) -> Obj | None:
     return data if isinstance(data, dict) else None
 
 
-def annotation_text(pod: Obj, key: str) -> Any:
-    """An annotation's raw value (None when missing)."""
-    return ((pod.get("metadata") or {}).get("annotations") or {}).get(key)
+def stale_reports(job_status: Any, pods: list[Obj]) -> list[str]:
+    """Keys of status.reports that belong to no pod of `pods` (the job's pods listed after its status
+    was read): pods deleted or replaced since, whose reports nothing reads any more."""
+    reports = job_status.get(STATUS_REPORTS) if isinstance(job_status, dict) else None
+    live = {uid(p) for p in pods}
+    return sorted(k for k in reports if k not in live) if isinstance(reports, dict) else []
 
 
 # ---------------------------------------------------------------- spec

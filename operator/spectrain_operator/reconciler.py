@@ -16,18 +16,20 @@ annotation (another write). With level-based passes neither is needed.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from spectrain_api.names import ANNOTATION_DRAFTER_DISABLED, FAILED
+from spectrain_api.names import FAILED, STATUS_REPORTS
 from spectrain_operator import access, builders, gpu_sharing, metrics, objects, scheduling
+from spectrain_operator import pods as podlib
 from spectrain_operator import spec as specmod
 from spectrain_operator import status as statusmod
 from spectrain_operator.children import FLEET_KEY_UID_FIELD, Children
@@ -81,6 +83,7 @@ class Reconciler:
         self.resync_s = resync_s
         self.retry = retry or Backoff(REQUEUE_BASE_S, REQUEUE_CAP_S)
         self._failures: dict[Key, int] = {}
+        self._reports_seen: dict[Key, str] = {}   # the last status.reports seen per job (reports_changed)
         self._slots: dict[Key, _JobSlot] = {}
         self._slots_lock = threading.Lock()
         self._validation: dict[tuple[str, int], list[str]] = {}
@@ -168,6 +171,18 @@ class Reconciler:
         if not self.closed:
             self._timers.schedule((namespace, name), POD_EVENT_DELAY_S)
 
+    def reports_changed(self, namespace: str, name: str, status: Any) -> bool:
+        """Whether the pods' reports in this job status (status.reports, written by the status path)
+        differ from the last ones seen for the job: a job event whose only news is a report needs one
+        batched pass (`pod_changed`), as the pods' own changes do."""
+        reports = status.get(STATUS_REPORTS) if isinstance(status, Mapping) else None
+        seen = json.dumps(reports, sort_keys=True, default=lambda v: dict(v) if isinstance(v, Mapping) else str(v)) \
+            if reports else ""
+        if self._reports_seen.get((namespace, name), "") == seen:
+            return False
+        self._reports_seen[(namespace, name)] = seen
+        return True
+
     def _fire(self, key: Key) -> None:
         if self.closed:
             return
@@ -180,6 +195,7 @@ class Reconciler:
         with self._slots_lock:
             self._slots.pop((namespace, name), None)
         self._failures.pop((namespace, name), None)
+        self._reports_seen.pop((namespace, name), None)
         self._timers.cancel((namespace, name))
         metrics.forget(namespace, name)
 
@@ -258,7 +274,7 @@ class Reconciler:
         plan = statusmod.decide(job, pods, now)
         if plan.create_nodes:
             plan = self._create(job, pods, now, plan)
-        self._execute(job, plan)
+        self._execute(job, plan, None if fresh is not None else pods)
         if plan.status.get("phase") == FAILED:  # no more pods: let Kueue finish the pod group
             self._release_kueue(namespace, pods)
         return plan
@@ -315,7 +331,7 @@ class Reconciler:
             now = self.clock()
             pods = self.kube.list_pods(job["metadata"]["namespace"], objects.selector(job))
             plan = statusmod.decide(job, pods, now, errors)
-            self._execute(job, plan)
+            self._execute(job, plan, pods)
             return plan
         old: Obj = job["status"] if isinstance(job.get("status"), dict) else {}
         stamp = statusmod.fmt_time(self.clock())
@@ -329,16 +345,13 @@ class Reconciler:
         self.requeue(job["metadata"]["namespace"], job["metadata"]["name"], self.resync_s)
         return None
 
-    def _execute(self, job: Obj, plan: statusmod.Plan) -> None:
+    def _execute(self, job: Obj, plan: statusmod.Plan, pods: list[Obj] | None) -> None:
         meta = job["metadata"]
         ns, name = meta["namespace"], meta["name"]
         for pod_name in plan.delete_pods:
             self.kube.delete_pod(ns, pod_name)
-        # A drafter disabled in place: its sidecar reads the annotation (downward API) and idles.
-        for pod_name in plan.annotate_pods:
-            self.kube.annotate_pod(ns, pod_name, {ANNOTATION_DRAFTER_DISABLED: plan.drafter_off})
         old: Obj = job["status"] if isinstance(job.get("status"), dict) else {}
-        self._write_status(job, plan.status, old, plan.events)
+        self._write_status(job, plan.status, old, plan.events, pods)
         metrics.set_phase(ns, name, plan.status.get("phase", "Pending"))
         if plan.delete_job:
             self.kube.delete_job(ns, name)
@@ -347,15 +360,22 @@ class Reconciler:
             self.requeue(ns, name, self.resync_s if plan.requeue_after is None
                          else min(plan.requeue_after, self.resync_s))
 
-    def _write_status(self, job: Obj, new: Obj, old: Obj, events: list[statusmod.Event]) -> None:
+    def _write_status(self, job: Obj, new: Obj, old: Obj, events: list[statusmod.Event],
+                      pods: list[Obj] | None = None) -> None:
+        """Write `new` over `old` (only when they differ). status.reports is the pods' (podstatus):
+        never written here except to delete the reports of pods not among `pods` (the job's pods,
+        listed after the job was read; None: not listed, nothing deleted)."""
         meta = job["metadata"]
         # status.decide builds the status from its own fields; the fleet key's record is the
         # reconciler's and must survive every write (a missing key would be deleted by the patch).
         recorded = (job.get("status") or {}).get(FLEET_KEY_UID_FIELD) if isinstance(job.get("status"), dict) else None
         if recorded and FLEET_KEY_UID_FIELD not in new:
             new = {**new, FLEET_KEY_UID_FIELD: recorded}
-        if _pruned(new) != _pruned(old):
-            self.kube.patch_status(meta["namespace"], meta["name"], new, old)
+        stale = podlib.stale_reports(old, pods) if pods is not None else []
+        old = {k: v for k, v in old.items() if k != STATUS_REPORTS}
+        if _pruned(new) != _pruned(old) or stale:
+            body = {**new, STATUS_REPORTS: dict.fromkeys(stale)} if stale else new
+            self.kube.patch_status(meta["namespace"], meta["name"], body, old)
         for event in events:
             log.info("%s/%s %s: %s", meta["namespace"], meta["name"], event.reason, event.message[:200])
             self.kube.post_event(job, event)

@@ -16,8 +16,8 @@ concern per module; the first that applies, in this order, settles the phase (AP
    restart, the workload's error line (its termination message) in the condition; drafter
    failures never fail the job and never restart the target: counted, and past
    drafter.maxFailures (or by a drafter rule FailJob / RestartWithoutDrafter) the drafter is
-   disabled in place (DrafterDegraded; every pod annotated ANNOTATION_DRAFTER_DISABLED, which the
-   sidecar reads and then idles); the next restart the job needs anyway builds pods without it
+   disabled in place (DrafterDegraded and status.drafterDisabled, which the sidecars read through
+   the status path and then idle); the next restart the job needs anyway builds pods without it
    (drafter). Exits with EXIT_PEER_FRAME (a peer's frame ended the drafter) are counted apart
    (drafterPeerFailures);
 7. Succeeded when every target container exited 0 (lifecycle);
@@ -28,7 +28,8 @@ concern per module; the first that applies, in this order, settles the phase (AP
 
 State that must survive an operator restart lives in the status (restarts, restartGeneration,
 restartAt, podsCreated, drafterDisabled, drafterDisabledGeneration, drafterPeerFrames); every field
-is parsed defensively (policy/context.py), so a status written by a user cannot crash the operator.
+is parsed defensively (policy/context.py), so a status written by a user, or by the job's own pods
+(whose Role lets them write status.reports), cannot crash the operator.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
     # drafter crashes: peer-frame exits counted apart; the rest are the drafter's own failures
     own_failures = drafter.count_crashes(ctx) if ctx.pods.current and ctx.drafter_enabled else {}
     outcome = _outcome(ctx, spec_errors, own_failures)
-    drafter.carry_disabled(ctx, outcome.phase)
+    drafter.carry_disabled(ctx)
     progress.mark_queued(ctx, outcome.phase)
     progress.summarize(ctx)
     ctx.status["phase"] = outcome.phase

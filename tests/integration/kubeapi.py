@@ -576,17 +576,26 @@ class KubeAPI:
             "client-key-data": _b64(self.pki / f"{stem}.key"),
         })
 
-    def kubeconfig_for_service_account(self, namespace: str, name: str, seconds: int = 3600) -> Path:
-        """A kubeconfig with a bound token (TokenRequest API) of an existing ServiceAccount."""
+    def service_account_token(self, namespace: str, name: str, seconds: int = 3600,
+                              pod: dict[str, Any] | None = None) -> str:
+        """A bound token (TokenRequest API) of an existing ServiceAccount; bound to `pod` (as the kubelet
+        mounts it: void once that pod is gone) when given."""
         from kubernetes import client
 
         core = client.CoreV1Api(self.api_client())
+        spec: dict[str, Any] = {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": seconds}
+        if pod is not None:
+            spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Pod", "name": pod["metadata"]["name"],
+                                      "uid": pod["metadata"]["uid"]}
         tr = core.create_namespaced_service_account_token(name, namespace, {
-            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-            "spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": seconds}})
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec})
+        return str(tr.status.token)
+
+    def kubeconfig_for_service_account(self, namespace: str, name: str, seconds: int = 3600) -> Path:
+        """A kubeconfig with a bound token (TokenRequest API) of an existing ServiceAccount."""
         user = f"system:serviceaccount:{namespace}:{name}"
         return self._write_kubeconfig(self.root / f"sa-{namespace}-{name}.kubeconfig", user,
-                                      {"token": tr.status.token})
+                                      {"token": self.service_account_token(namespace, name, seconds)})
 
     def bind_cluster_role(self, cluster_role: str, *, user: str | None = None, group: str | None = None,
                           service_account: tuple[str, str] | None = None, namespace: str | None = None,

@@ -7,20 +7,26 @@ import base64
 import json
 import time
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
 from spectrain_api.names import (
-    ANNOTATION_DRAFTER_DISABLED,
     ENV_FLEET_KEY_FILE,
     ENV_JOB_UID,
     ENV_POD_IPS,
     ENV_RESTART_GENERATION,
     EXIT_PEER_FRAME,
+    GROUP,
+    PLURAL,
+    VERSION,
 )
+from spectrain_workloads import podstatus
+from spectrain_workloads.drafter.control import DrafterControl
 from tests.integration.operator_harness import ROOT, Env, env_fixture  # noqa: F401  (the env fixture)
+from tests.integration.statuspath import as_pod, request_status
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -43,7 +49,8 @@ def test_create_makes_every_child_once_with_owner_references(env: Env) -> None:
     svc = env.core.read_namespaced_service("c1", env.ns)
     assert svc.spec.cluster_ip == "None"
     role = env.rbac.read_namespaced_role("c1-status", env.ns)
-    assert role.rules[0].resource_names == ["c1-0", "c1-1"] and role.rules[0].verbs == ["patch"]
+    assert [(r.resources, r.verbs, r.resource_names) for r in role.rules] == [
+        (["spectrainjobs/status"], ["patch"], ["c1"]), (["spectrainjobs"], ["get"], ["c1"])]
     env.rbac.read_namespaced_role_binding("c1-status", env.ns)
     env.core.read_namespaced_service_account("c1-status", env.ns)
     for p in pods:
@@ -63,18 +70,30 @@ def test_create_makes_every_child_once_with_owner_references(env: Env) -> None:
         meta.get("annotations")
 
 
-def test_running_progress_and_drafter_from_annotations(env: Env) -> None:
+def test_running_progress_and_drafter_from_the_pods_reports(env: Env, tmp_path: Path) -> None:
+    """The status path as a pod runs it (podstatus, with a token of the job's status ServiceAccount
+    bound to the pod): its reports reach status.progress / status.drafter; the same token may not
+    change any pod, nor another job's status."""
     env.create(env.manifest("r1"))
+    env.create(env.manifest("r2"))
     pods = env.wait_pods("r1", 2)
+    env.wait_pods("r2", 2)
     env.run_pods("r1", pods)
-    env.annotate_pod("r1-0", {"spectrain.io/progress": json.dumps({"step": 7, "loss": 2.5, "tokensPerSecond": 99.0}),
-                              "spectrain.io/drafter": json.dumps({"state": "Active", "harvestedSeconds": 1.5,
-                                                                  "harvestEfficiency": 0.5})})
-    env.wait_phase("r1", "Running")
-    st = wait_for(lambda: (s := env.status("r1")).get("progress", {}).get("step") == 7 and s, 10,
-                  what="progress from the annotation")
+    with as_pod(env.kube, pods[0], tmp_path / "sa"):
+        podstatus.report_progress({"step": 7, "loss": 2.5, "tokensPerSecond": 99.0}, flush=True)
+        podstatus.report_drafter({"state": "Active", "harvestedSeconds": 1.5, "harvestEfficiency": 0.5}, flush=True)
+        env.wait_phase("r1", "Running")
+        st = wait_for(lambda: (s := env.status("r1")).get("progress", {}).get("step") == 7
+                      and s.get("drafter", {}).get("state") == "Active" and s, 10, what="progress from the report")
+        pod_patch = {"metadata": {"annotations": {"x": "y"}}}
+        assert request_status("PATCH", f"/api/v1/namespaces/{env.ns}/pods/r1-0", pod_patch) == 403
+        other = f"/apis/{GROUP}/{VERSION}/namespaces/{env.ns}/{PLURAL}/r2/status"
+        assert request_status("PATCH", other, {"status": {"phase": "Succeeded"}}) == 403
+        assert request_status("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{env.ns}/{PLURAL}/r2") == 403
     assert st["progress"]["loss"] == 2.5 and st["ready"] == "2/2"
-    assert st["drafter"]["state"] == "Active" and st["drafter"]["harvestedSeconds"] == 1.5
+    assert st["drafter"]["harvestedSeconds"] == 1.5
+    (report,) = st["reports"].values()
+    assert st["reports"].keys() == {pods[0]["metadata"]["uid"]} and report["pod"] == "r1-0"
     # the pass posts its Events after writing the status: wait for them, not just the status
     wait_for(lambda: [e["reason"] for e in env.events("r1")].count("Running") == 1, 10, what="the Running Event")
 
@@ -143,7 +162,7 @@ def drafter_crash(env: Env, pod: str, restarts: int, code: int = 1) -> None:
                     "finishedAt": f"2026-01-01T00:{restarts:02d}:00Z"}}})
 
 
-def test_five_drafter_crashes_disable_the_drafter_in_place(env: Env) -> None:
+def test_five_drafter_crashes_disable_the_drafter_in_place(env: Env, tmp_path: Path) -> None:
     env.create(env.manifest("dd"))       # drafter.maxFailures: 3 (the default)
     pods = env.wait_pods("dd", 2)
     uids = [p["metadata"]["uid"] for p in pods]
@@ -155,30 +174,38 @@ def test_five_drafter_crashes_disable_the_drafter_in_place(env: Env) -> None:
     degraded = wait_for(lambda: (c := env.condition("dd", "DrafterDegraded")) and c["status"] == "True" and c, 10,
                         what="DrafterDegraded")
     assert degraded["reason"] == "TooManyFailures" and "disabled in place" in degraded["message"]
-    annotated = wait_for(lambda: (ps := env.pods("dd")) and all(
-        (p["metadata"].get("annotations") or {}).get(ANNOTATION_DRAFTER_DISABLED) == "TooManyFailures"
-        for p in ps) and ps, 10, what="every pod annotated")
     st = env.status("dd")
     assert st["drafterDisabled"] is True and st["drafterDisabledGeneration"] == 0
     assert st["phase"] == "Running" and st["restarts"] == 0 and st["restartGeneration"] == 0
-    assert [p["metadata"]["uid"] for p in annotated] == uids, "the target's pods were replaced"
+    assert [p["metadata"]["uid"] for p in env.pods("dd")] == uids, "the target's pods were replaced"
+    assert not any((p["metadata"].get("annotations") or {}) for p in env.pods("dd")), "no pod was changed"
     wait_for(lambda: [e["reason"] for e in env.events("dd")].count("DrafterDegraded") == 1, 10,
              what="one DrafterDegraded Event")   # Events follow the status write of their pass
     assert "Restarting" not in [e["reason"] for e in env.events("dd")]
-    # the target goes on: its progress still reaches the status
-    for step in (3, 7):
-        env.annotate_pod("dd-0", {"spectrain.io/progress": json.dumps({"step": step, "loss": 1.0})})
-        wait_for(lambda step=step: env.status("dd").get("progress", {}).get("step") == step, 10,
-                 what=f"progress step {step}")
+    with as_pod(env.kube, pods[0], tmp_path / "sa"):
+        # the sidecars learn it from the job's status (their Role's `get`), as a drafter of generation 0
+        assert DrafterControl(None, read_status=podstatus.job_status, generation=0).disabled() is True
+        assert DrafterControl(None, read_status=podstatus.job_status, generation=1).disabled() is False
+        # the target goes on: its progress still reaches the status
+        for step in (3, 7):
+            podstatus.report_progress({"step": step, "loss": 1.0}, flush=True)
+            wait_for(lambda step=step: env.status("dd").get("progress", {}).get("step") == step, 10,
+                     what=f"progress step {step}")
     st = env.status("dd")
     assert st["phase"] == "Running" and st["restarts"] == 0
     assert [p["metadata"]["uid"] for p in env.pods("dd")] == uids
     # the next restart the job needs anyway (a target failure) builds pods without the drafter
     env.exit_pod("dd-1", 1)
-    for p in env.wait_pods("dd", 2, generation=1):
+    new = env.wait_pods("dd", 2, generation=1)
+    for p in new:
         assert not p["spec"].get("initContainers")
         assert {"fleet-key", "podinfo"}.isdisjoint(v["name"] for v in p["spec"]["volumes"])
     assert env.status("dd")["restarts"] == 1
+    # the reports of the pods gone are deleted; the new pods' are read
+    wait_for(lambda: not env.status("dd").get("reports"), 10, what="the old pods' reports deleted")
+    with as_pod(env.kube, new[0], tmp_path / "sa"):
+        podstatus.report_progress({"step": 8}, flush=True)
+        wait_for(lambda: env.status("dd").get("progress", {}).get("step") == 8, 10, what="the new pod's report")
 
 
 def test_peer_frame_crashes_are_counted_apart(env: Env) -> None:

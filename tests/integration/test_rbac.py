@@ -38,8 +38,10 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from spectrain_api.names import GROUP, KIND, PLURAL, VERSION
+from spectrain_workloads import podstatus
 from tests.integration.kubeapi import KubeAPI
 from tests.integration.operator_proc import OperatorProcess
+from tests.integration.statuspath import as_pod
 from tests.unit.project.test_helm_chart import aggregated
 
 pytestmark = pytest.mark.integration
@@ -292,7 +294,8 @@ class Run:
 
 
 def scenario_lifecycle(r: Run) -> None:
-    """Create -> children + pod + status + Event; Running; target exit 1 -> restart (pod deleted and
+    """Create -> children + pod + status + Event; Running; the pod's progress report (the status path,
+    as the pod's ServiceAccount) -> status.progress; target exit 1 -> restart (pod deleted and
     recreated); exit 0 -> Succeeded; ttlSecondsAfterFinished 0 -> the job is deleted."""
     name = "life"
     r.create_job(name, runPolicy={"ttlSecondsAfterFinished": 0})
@@ -304,6 +307,11 @@ def scenario_lifecycle(r: Run) -> None:
     r.expect(lambda: r.events_for(name), "an Event on the job")
     r.kubelet(pods[0], "Running")
     r.expect(lambda: r.phase(name) == "Running", "status.phase Running")
+    # the status path under the Role the operator granted (it holds no `patch` on pods)
+    with as_pod(r.env.kube, client.ApiClient().sanitize_for_serialization(pods[0]), r.env.tmp / f"sa-{r.ns}"):
+        podstatus.report_progress({"step": 3}, flush=True)
+        r.expect(lambda: ((r.job(name) or {}).get("status") or {}).get("progress", {}).get("step") == 3,
+                 "status.progress from the pod's report")
     r.kubelet(pods[0], "Failed", exit_code=1)
     first_uid = pods[0].metadata.uid
     new = r.expect(lambda: [p for p in r.pods(name) if p.metadata.uid != first_uid], "the restarted pod")

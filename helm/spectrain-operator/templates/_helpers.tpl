@@ -98,13 +98,10 @@ cluster-wide install (every namespace). The one place this rule lives: RBAC, the
   resources: ["spectrainjobs/status"]
   verbs: ["patch"]
 # Pods: one per node. Listed by the job's label each pass, watched for kubelet updates, created
-# and deleted (restart, suspend, failure). `patch`: the operator annotates a job's pods when it
-# disables their drafter in place (spectrain.io/drafter-disabled) or hands a Kueue pod group's quota
-# back, and the per-job Role below grants it to the job's pods (RBAC lets a subject grant only
-# what it holds).
+# and deleted (restart, suspend, failure); never changed (patch: features.kueue below).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["create", "list", "watch", "delete", "patch"]
+  verbs: ["create", "list", "watch", "delete"]
 # Children created once per job; the garbage collector deletes them through their ownerReferences,
 # so no patch/delete. `get`: on 409 AlreadyExists the existing object's ownerReferences UID is
 # compared with the job's (an object of another owner is an error on the job, never adopted).
@@ -124,8 +121,9 @@ cluster-wide install (every namespace). The one place this rule lives: RBAC, the
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["create", "get"]
-# The per-job status path: a Role allowing `patch` on the job's own pods and its RoleBinding
-# (`get`: the owner check on 409).
+# The per-job status path: a Role allowing `patch` on the job's own status and `get` on the job
+# (both held above: RBAC lets a subject grant only what it holds) and its RoleBinding (`get`: the
+# owner check on 409).
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["create", "get"]
@@ -138,6 +136,13 @@ cluster-wide install (every namespace). The one place this rule lives: RBAC, the
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- if .Values.features.kueue }}
+# Kueue's plain-pod-group integration: a queued job's pods are annotated
+# kueue.x-k8s.io/retriable-in-group=false when the job ends or is deleted, so Kueue lets the group go.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["patch"]
+{{- end }}
 {{- if .Values.features.dra }}
 # gpuSharing.mode DRA: a ResourceClaimTemplate per job (MPS sharing config), owned by the job.
 - apiGroups: ["resource.k8s.io"]

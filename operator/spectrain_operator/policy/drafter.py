@@ -3,25 +3,20 @@
 Drafter failures never fail the job and never restart the target. Its crashes are counted
 (status.drafterFailures); exits with EXIT_PEER_FRAME (a peer's frame ended the drafter) apart
 (status.drafterPeerFailures). Past drafter.maxFailures, or by a drafter rule FailJob /
-RestartWithoutDrafter, the drafter is disabled in place: condition DrafterDegraded, every pod of
-that generation annotated ANNOTATION_DRAFTER_DISABLED (the sidecar reads it and idles), the target
+RestartWithoutDrafter, the drafter is disabled in place: condition DrafterDegraded and
+status.drafterDisabled for that restart generation (the sidecars read it through the status path and
+idle; a pod of that generation created later carries ANNOTATION_DRAFTER_DISABLED), the target
 untouched; the next restart the job needs anyway builds pods without the sidecar.
 """
 
 from __future__ import annotations
 
-from spectrain_api.names import (
-    ACTIVE,
-    ANNOTATION_DRAFTER,
-    ANNOTATION_DRAFTER_DISABLED,
-    DEGRADED,
-    EXIT_PEER_FRAME,
-)
+from spectrain_api.names import ACTIVE, DEGRADED, EXIT_PEER_FRAME, REPORT_DRAFTER
 from spectrain_operator import faults, objects
 from spectrain_operator import pods as podlib
 from spectrain_operator.objects import DRAFTER, Obj
 from spectrain_operator.policy.context import Context, finite, nonneg_int
-from spectrain_operator.policy.plan import MAX_REASON_CHARS, TERMINAL, Event
+from spectrain_operator.policy.plan import MAX_REASON_CHARS, Event
 
 
 def count_crashes(ctx: Context) -> dict[int, int]:
@@ -67,7 +62,7 @@ def count_crashes(ctx: Context) -> dict[int, int]:
 
 def disable_in_place(ctx: Context, fault: faults.PodFault, text: str) -> None:
     """Disable the drafter in place (faults.DISABLE_DRAFTER): the target's pods stay, nothing
-    restarts; `carry_disabled` then annotates the pods. Idempotent."""
+    restarts; the sidecars read status.drafterDisabled and idle. Idempotent."""
     st = ctx.status
     if st["drafterDisabled"]:
         return
@@ -82,31 +77,25 @@ def disable_in_place(ctx: Context, fault: faults.PodFault, text: str) -> None:
     ctx.plan.events.append(Event("Warning", "DrafterDegraded", text))
 
 
-def carry_disabled(ctx: Context, phase: str) -> None:
+def carry_disabled(ctx: Context) -> None:
     """How the pods of plan.generation carry a disabled drafter: built without it (any generation
     but the one it was disabled in; a status of older operators has no generation: every one), or,
-    in the generation it was disabled in place, with it and ANNOTATION_DRAFTER_DISABLED, which the
-    current pods that lack it get now."""
+    in the generation it was disabled in place, with it and ANNOTATION_DRAFTER_DISABLED = drafter_off
+    (a pod created now; those running read status.drafterDisabled)."""
     st, plan = ctx.status, ctx.plan
     if not st["drafterDisabled"]:
         return
     plan.drafter_disabled = st["drafterDisabledGeneration"] != plan.generation
-    if plan.drafter_disabled:
-        return
-    plan.drafter_off = (ctx.conds.reason("DrafterDegraded") or "Disabled")[:MAX_REASON_CHARS]
-    if phase in TERMINAL:
-        return
-    plan.annotate_pods = [
-        podlib.name(p) for _, p in sorted(ctx.pods.current.items())
-        if podlib.has_init_container(p, DRAFTER) and not podlib.is_finished(p)
-        and podlib.annotation_text(p, ANNOTATION_DRAFTER_DISABLED) != plan.drafter_off]
+    if not plan.drafter_disabled:
+        plan.drafter_off = (ctx.conds.reason("DrafterDegraded") or "Disabled")[:MAX_REASON_CHARS]
 
 
-def summary(pods_by_node: dict[int, Obj], previous: object, *, enabled: bool, degraded: bool) -> Obj:
-    """status.drafter from the pods' ANNOTATION_DRAFTER reports: state, active ranks, harvested
-    seconds (sum), harvest efficiency and acceptance length (means), the exported artifact; a
-    figure no pod reports keeps its previous value."""
-    reports = [r for r in (podlib.annotation(p, ANNOTATION_DRAFTER) for _, p in sorted(pods_by_node.items()))
+def summary(pods_by_node: dict[int, Obj], job_status: object, previous: object, *, enabled: bool,
+            degraded: bool) -> Obj:
+    """status.drafter from the pods' drafter reports in `job_status` (the status as read): state,
+    active ranks, harvested seconds (sum), harvest efficiency and acceptance length (means), the
+    exported artifact; a figure no pod reports keeps its previous value."""
+    reports = [r for r in (podlib.report(job_status, p, REPORT_DRAFTER) for _, p in sorted(pods_by_node.items()))
                if r is not None]
     prev: Obj = previous if isinstance(previous, dict) else {}
     artifact = next((str(r["artifact"])[:1024] for r in reports if isinstance(r.get("artifact"), str) and r["artifact"]),

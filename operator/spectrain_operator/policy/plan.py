@@ -43,8 +43,7 @@ class Plan:
     requeue_after: float | None = None
     generation: int = 0
     drafter_disabled: bool = False      # pods of `generation` are built without the drafter sidecar
-    drafter_off: str = ""               # disabled in place in `generation`: the pods' annotation value
-    annotate_pods: list[str] = field(default_factory=list)  # current pods still lacking that annotation
+    drafter_off: str = ""               # disabled in place in `generation`: new pods' annotation value
 
     def requeue(self, seconds: float) -> None:
         """Look again after `seconds` at the latest (the earliest of every request wins)."""

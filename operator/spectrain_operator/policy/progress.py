@@ -11,7 +11,7 @@ after a second.
 
 from __future__ import annotations
 
-from spectrain_api.names import ANNOTATION_PROGRESS
+from spectrain_api.names import REPORT_PROGRESS
 from spectrain_operator import objects, scheduling
 from spectrain_operator import pods as podlib
 from spectrain_operator.objects import Obj
@@ -82,10 +82,10 @@ def mark_queued(ctx: Context, phase: str) -> None:
         ctx.conds.clear("Queued", "Admitted", "Kueue admitted the pod group")
 
 
-def progress(pods_by_node: dict[int, Obj], previous: object, total_steps: int) -> Obj:
-    """status.progress from rank 0's pod (node 0): step, loss, tokens/s, updatedAt; without a
-    report the previous step is kept."""
-    data = podlib.annotation(pods_by_node[0], ANNOTATION_PROGRESS) if 0 in pods_by_node else None
+def progress(pods_by_node: dict[int, Obj], job_status: object, previous: object, total_steps: int) -> Obj:
+    """status.progress from the report of rank 0's pod (node 0) in `job_status` (the status as
+    read): step, loss, tokens/s, updatedAt; without a report the previous step is kept."""
+    data = podlib.report(job_status, pods_by_node[0], REPORT_PROGRESS) if 0 in pods_by_node else None
     if data is None:
         if isinstance(previous, dict) and isinstance(previous.get("step"), int):
             return {**previous, "totalSteps": total_steps}
@@ -111,8 +111,8 @@ def ranks(pods_by_node: dict[int, Obj], nodes: int) -> Obj:
 def summarize(ctx: Context) -> None:
     """Fill status.progress, .drafter, .ranks and .ready, and the informational conditions."""
     st, spec, current = ctx.status, ctx.spec, ctx.pods.current
-    st["progress"] = progress(current, ctx.old.get("progress"), int(spec["target"]["steps"]))
-    st["drafter"] = drafter.summary(current, ctx.old.get("drafter"),
+    st["progress"] = progress(current, ctx.old, ctx.old.get("progress"), int(spec["target"]["steps"]))
+    st["drafter"] = drafter.summary(current, ctx.old, ctx.old.get("drafter"),
                                     enabled=ctx.drafter_enabled and not st["drafterDisabled"],
                                     degraded=ctx.conds.is_true("DrafterDegraded"))
     if st["drafter"]["activeRanks"]:

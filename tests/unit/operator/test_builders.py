@@ -222,11 +222,17 @@ def test_an_hf_models_claim_is_mounted_read_only_beside_the_datas() -> None:
     assert json.loads(cm["data"][builders.CONFIG_KEY])["spec"]["target"]["model"]["path"] == "pvc://corpus/llama"
 
 
-def test_status_rbac_is_patch_on_own_pods_only() -> None:
+def test_status_rbac_is_its_own_job_s_status_only() -> None:
     kinds = by_kind(builders.render(job()))
     (role,) = kinds["Role"]
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"],
-                              "resourceNames": ["demo-0", "demo-1"]}]
+    assert role["rules"] == [
+        {"apiGroups": ["spectrain.io"], "resources": ["spectrainjobs/status"], "verbs": ["patch"],
+         "resourceNames": ["demo"]},
+        {"apiGroups": ["spectrain.io"], "resources": ["spectrainjobs"], "verbs": ["get"], "resourceNames": ["demo"]}]
+    pod = next(p for p in kinds["Pod"])
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["SPECTRAIN_POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    assert env["SPECTRAIN_JOB_NAME"]["value"] == "demo"
     (binding,) = kinds["RoleBinding"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-status", "namespace": "ns1"}]
     assert binding["roleRef"]["name"] == "demo-status"

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from spectrain_api.names import MAX_REPORT_CHARS
 from spectrain_operator import builders, pods
 
 pytestmark = pytest.mark.unit
@@ -89,15 +90,17 @@ def test_last_termination(status: Any, expected: Any) -> None:
     assert pods.last_termination(status) == expected
 
 
-def test_container_status_and_annotations() -> None:
+def test_container_status_and_reports() -> None:
     p = _pod({"containerStatuses": [{"name": "target", "restartCount": 1}],
               "initContainerStatuses": ["junk", {"name": "drafter", "restartCount": 2}]},
-             spec={"initContainers": [{"name": "drafter"}]},
-             annotations={"a": '{"step": 3}', "b": "[1]", "c": "{", "d": "x" * (pods.MAX_ANNOTATION_CHARS + 1)})
+             spec={"initContainers": [{"name": "drafter"}]})
+    p["metadata"].update(name="j-0", uid="u0")
+    status = {"reports": {"u0": {"pod": "j-0", "a": '{"step": 3}', "b": "[1]", "c": "{",
+                                 "d": "x" * (MAX_REPORT_CHARS + 1)}}}
     assert pods.container_status(p, "target") == {"name": "target", "restartCount": 1}
     assert pods.container_status(p, "drafter") is None
     assert pods.container_status(p, "drafter", init=True) == {"name": "drafter", "restartCount": 2}
     assert pods.has_init_container(p, "drafter") and not pods.has_init_container(p, "mps-daemon")
-    assert pods.annotation(p, "a") == {"step": 3}
-    assert [pods.annotation(p, k) for k in "bcde"] == [None, None, None, None]
-    assert pods.annotation_text(p, "b") == "[1]"
+    assert pods.report(status, p, "a") == {"step": 3}
+    assert [pods.report(status, p, k) for k in "bcde"] == [None, None, None, None]
+    assert pods.report({"reports": {"u0": {"pod": "j-1", "a": '{"step": 3}'}}}, p, "a") is None, "another pod's"

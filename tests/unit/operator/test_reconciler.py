@@ -45,7 +45,11 @@ class FakeKube:
         self.objects.pop(("Pod", name), None)
 
     def patch_status(self, namespace: str, name: str, status: Obj, old: Obj | None = None) -> None:
-        self.job["status"] = recmod._pruned(status)
+        """kube.Kube.patch_status as the API server applies it: a JSON merge patch (RFC 7386)."""
+        body = dict(status)
+        for key in old or {}:
+            body.setdefault(key, None)
+        self.job["status"] = merge_patch(self.job.get("status") or {}, body)
 
     def post_event(self, job: Obj, event: Any) -> None:
         pass
@@ -62,6 +66,18 @@ class FakeKube:
 
     def pod(self, name: str) -> Obj:
         return self.objects[("Pod", name)]
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
 
 
 def job(labels: dict[str, str] | None = None, **spec: Any) -> Obj:
@@ -144,6 +160,28 @@ def test_a_status_differing_only_by_nulls_is_not_rewritten() -> None:
     r.reconcile_once(NS, "k")
     assert len(writes) == 1
     r.close()
+
+
+def test_the_pods_reports_are_kept_and_those_of_pods_gone_deleted() -> None:
+    """status.reports is the pods' (podstatus writes it): a pass reads rank 0's progress from it and
+    never writes it back, except to delete the reports of pods that no longer exist."""
+    kube = FakeKube(job())
+    r = Reconciler(kube)  # type: ignore[arg-type]
+    try:
+        r.reconcile_once(NS, "k")
+        for i in (0, 1):
+            kube.pod(f"k-{i}")["metadata"]["uid"] = f"pod-uid-{i}"
+        kube.job["status"]["reports"] = {"pod-uid-0": {"pod": "k-0", "progress": '{"step": 4}'},
+                                         "gone-uid": {"pod": "k-1", "progress": '{"step": 1}'}}
+        r.reconcile_once(NS, "k")
+        assert kube.job["status"]["progress"]["step"] == 4
+        assert kube.job["status"]["reports"] == {"pod-uid-0": {"pod": "k-0", "progress": '{"step": 4}'}}
+        kube.job["status"]["reports"]["pod-uid-1"] = {"pod": "k-1", "drafter": '{"state": "Active"}'}
+        r.reconcile_once(NS, "k")
+        assert set(kube.job["status"]["reports"]) == {"pod-uid-0", "pod-uid-1"}
+        assert kube.job["status"]["drafter"]["activeRanks"] == 1
+    finally:
+        r.close()
 
 
 def test_every_pass_arms_the_resync_and_a_transient_error_a_retry() -> None:
@@ -296,3 +334,17 @@ def test_a_duration_knob_must_be_a_positive_number_of_seconds(monkeypatch: pytes
         monkeypatch.setenv("SPECTRAIN_POD_EVENT_DELAY_SECONDS", bad)
         with pytest.raises(ValueError, match=r"DELAY_SECONDS=.* must be a positive number of seconds"):
             env_seconds("SPECTRAIN_POD_EVENT_DELAY_SECONDS", 0.5)
+
+
+def test_a_job_event_with_new_reports_makes_one_batched_pass_and_the_same_reports_none() -> None:
+    r = Reconciler(FakeKube(job()))  # type: ignore[arg-type]
+    try:
+        st = {"observedGeneration": 1, "reports": {"u0": {"pod": "k-0", "progress": '{"step": 1}'}}}
+        assert r.reports_changed(NS, "k", st) is True
+        assert r.reports_changed(NS, "k", copy.deepcopy(st)) is False     # the operator's own status write
+        st["reports"]["u0"]["progress"] = '{"step": 2}'
+        assert r.reports_changed(NS, "k", st) is True
+        assert r.reports_changed(NS, "k", {"observedGeneration": 1}) is True   # deleted
+        assert r.reports_changed(NS, "k", None) is False
+    finally:
+        r.close()

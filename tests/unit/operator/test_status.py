@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from spectrain_api.names import ANNOTATION_DRAFTER, ANNOTATION_DRAFTER_DISABLED, ANNOTATION_PROGRESS
+from spectrain_api.names import REPORT_DRAFTER, REPORT_POD, REPORT_PROGRESS, STATUS_REPORTS
 from spectrain_operator import builders, spec
+from spectrain_operator import pods as podlib
 from spectrain_operator import status as st
 
 pytestmark = pytest.mark.unit
@@ -31,6 +32,7 @@ def pod(j: dict[str, Any], node: int, gen: int = 0, phase: str = "Pending", targ
         drafter: dict[str, Any] | None = None, annotations: dict[str, str] | None = None,
         ready: bool = False) -> dict[str, Any]:
     p, _ = builders.pod(j, node, generation=gen)
+    p["metadata"]["uid"] = f"uid-{node}-{gen}"
     status: dict[str, Any] = {"phase": phase}
     if target is not None:
         status["containerStatuses"] = [{"name": "target", "restartCount": 0, **target}]
@@ -261,20 +263,16 @@ def test_drafter_past_max_failures_is_disabled_in_place() -> None:
     assert plan.status["phase"] == "Running" and plan.delete_pods == [] and plan.create_nodes == []
     assert plan.status["restarts"] == 0 and plan.status["restartsTowardsMax"] == 0
     assert plan.status["restartGeneration"] == 0
-    # every current pod gets the annotation; pods of this generation built later carry it at creation
-    assert plan.annotate_pods == ["j-0", "j-1"] and plan.drafter_off == "TooManyFailures"
+    # the running sidecars read status.drafterDisabled; pods of this generation built later carry the
+    # annotation at creation
+    assert plan.drafter_off == "TooManyFailures"
     assert plan.drafter_disabled is False, "the current generation keeps its sidecars (idle)"
     assert [(e.type, e.reason) for e in plan.events] == [("Warning", "DrafterDegraded")]
-    # idempotent: the next pass over annotated pods changes nothing and posts nothing
+    # idempotent: the next pass changes nothing and posts nothing
     j["status"] = plan.status
-    for p in pods:
-        p["metadata"]["annotations"] = {ANNOTATION_DRAFTER_DISABLED: "TooManyFailures"}
     again = st.decide(j, pods, NOW + timedelta(seconds=5))
-    assert again.annotate_pods == [] and again.events == [] and again.delete_pods == []
+    assert again.events == [] and again.delete_pods == [] and again.status["drafterDisabled"] is True
     assert again.status["phase"] == "Running" and again.status["restarts"] == 0
-    # a pod that lost it (or was never told) is annotated again
-    del pods[1]["metadata"]["annotations"]
-    assert st.decide(j, pods, NOW + timedelta(seconds=10)).annotate_pods == ["j-1"]
 
 
 @pytest.mark.parametrize("rule_action,restarted", [
@@ -302,7 +300,7 @@ def test_after_an_in_place_disable_the_next_restart_builds_pods_without_the_draf
     pods[0]["status"]["containerStatuses"][0].update(exited(1))
     plan = st.decide(j, pods, NOW)
     assert plan.status["phase"] == "Restarting" and plan.generation == 1
-    assert plan.drafter_disabled is True and plan.drafter_off == "" and plan.annotate_pods == []
+    assert plan.drafter_disabled is True and plan.drafter_off == ""
     # pods of the disabled generation created later (say their predecessors were still terminating)
     j = job(created_status(drafterDisabled=True, drafterDisabledGeneration=2, restartGeneration=2,
                            podsCreated=False, conditions=degraded))
@@ -487,7 +485,13 @@ def test_spec_errors_fail_with_spec_invalid_and_create_nothing() -> None:
 
 # ------------------------------------------------------------------------- status path and hostile input
 
-def test_progress_and_drafter_from_pod_annotations() -> None:
+def reports(pods: list[dict[str, Any]], **by_node: dict[str, str]) -> dict[str, Any]:
+    """status.reports as the pods' podstatus writes it: {uid: {pod, progress?, drafter?}}."""
+    return {pods[int(n[1:])]["metadata"]["uid"]: {REPORT_POD: pods[int(n[1:])]["metadata"]["name"], **r}
+            for n, r in by_node.items()}
+
+
+def test_progress_and_drafter_from_the_pods_reports() -> None:
     j = job(created_status())
     prog = json.dumps({"step": 120, "totalSteps": 1000, "loss": 3.21, "tokensPerSecond": 1850.0,
                        "updatedAt": "2026-01-01T11:59:00Z"})
@@ -495,8 +499,8 @@ def test_progress_and_drafter_from_pod_annotations() -> None:
                      "acceptanceLength": 2.0, "artifact": "/run/drafter/v3"})
     d1 = json.dumps({"state": "Waiting", "harvestedSeconds": 21.7, "harvestEfficiency": 0.92})
     pods = running(j)
-    pods[0]["metadata"]["annotations"] = {ANNOTATION_PROGRESS: prog, ANNOTATION_DRAFTER: d0}
-    pods[1]["metadata"]["annotations"] = {ANNOTATION_DRAFTER: d1}
+    j["status"][STATUS_REPORTS] = reports(pods, n0={REPORT_PROGRESS: prog, REPORT_DRAFTER: d0},
+                                          n1={REPORT_DRAFTER: d1})
     plan = st.decide(j, pods, NOW)
     assert plan.status["progress"] == {"step": 120, "totalSteps": 1000, "loss": 3.21,
                                        "tokensPerSecond": 1850.0, "updatedAt": "2026-01-01T11:59:00Z"}
@@ -505,13 +509,28 @@ def test_progress_and_drafter_from_pod_annotations() -> None:
     assert d["harvestedSeconds"] == pytest.approx(41.7) and d["harvestEfficiency"] == pytest.approx(0.86)
     assert d["acceptanceLength"] == 2.0 and d["artifact"] == "/run/drafter/v3"
     assert cond(plan, "DrafterActive")["status"] == "True"
+    assert STATUS_REPORTS not in plan.status, "the reports are the pods': the operator never writes them back"
+
+
+def test_reports_of_an_earlier_pod_or_naming_another_pod_are_not_read() -> None:
+    j = job(created_status())
+    pods = running(j)
+    prog = json.dumps({"step": 9})
+    # a report under a UID no current pod has (the pod of that name before a restart), and one under
+    # rank 0's UID that names another pod: neither is rank 0's progress
+    j["status"][STATUS_REPORTS] = {"uid-0-old": {REPORT_POD: "j-0", REPORT_PROGRESS: prog},
+                                   "uid-0-0": {REPORT_POD: "j-1", REPORT_PROGRESS: prog}}
+    assert st.decide(j, pods, NOW).status["progress"] == {"step": 0, "totalSteps": j["spec"]["target"]["steps"]}
+    assert podlib.stale_reports(j["status"], pods) == ["uid-0-old"]
+    assert podlib.stale_reports({}, pods) == [] and podlib.stale_reports({STATUS_REPORTS: "x"}, pods) == []
 
 
 @pytest.mark.parametrize("raw", ["{not json", "[1,2]", '{"step": "many", "loss": NaN}',
-                                 '{"step": -5, "loss": Infinity, "tokensPerSecond": true}', "x" * 100000])
-def test_hostile_annotations_are_ignored_not_fatal(raw: str) -> None:
+                                 '{"step": -5, "loss": Infinity, "tokensPerSecond": true}', "x" * 100000, 7, None])
+def test_hostile_reports_are_ignored_not_fatal(raw: Any) -> None:
     j = job(created_status())
-    pods = running(j, annotations={ANNOTATION_PROGRESS: raw, ANNOTATION_DRAFTER: raw})
+    pods = running(j)
+    j["status"][STATUS_REPORTS] = reports(pods, n0={REPORT_PROGRESS: raw, REPORT_DRAFTER: raw})
     plan = st.decide(j, pods, NOW)
     p = plan.status["progress"]
     assert isinstance(p["step"], int) and p["step"] >= 0
@@ -524,6 +543,7 @@ def test_hostile_annotations_are_ignored_not_fatal(raw: str) -> None:
     {"phase": None, "restarts": -4, "conditions": [1, {"type": 3}, {"type": "X", "status": "Maybe"}]},
     {"startTime": "yesterday", "completionTime": {}, "progress": [], "drafter": "x", "lastFailure": 7},
     {"restartGeneration": 10**20, "drafterFailures": True},
+    {"reports": "x"}, {"reports": {"u": 5, "v": {"pod": 3, "progress": {}}}},
 ])
 def test_status_written_by_a_user_never_crashes(garbage: dict[str, Any]) -> None:
     j = job(garbage)

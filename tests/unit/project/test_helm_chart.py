@@ -38,7 +38,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "imagePullSecrets": [{"name": "regcred"}],
         "fullnameOverride": "stj-op",
         "serviceAccount": {"name": "stj-sa", "annotations": {"iam.example.org/role": "x"}},
-        "features": {"dra": True, "gangProviders": ["SchedulerPlugins", "Volcano"]},
+        "features": {"dra": True, "gangProviders": ["SchedulerPlugins", "Volcano"], "kueue": True},
         "logging": {"format": "plain", "level": "debug"},
         "metrics": {"port": 9102, "service": {"port": 8443, "annotations": {"prometheus.io/scrape": "true"}},
                     "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
@@ -382,6 +382,13 @@ def test_features_add_only_their_rules() -> None:
     assert groups({"features": {"dra": True}}) - base == {"resource.k8s.io"}
     assert groups({"features": {"gangProviders": ["Volcano"]}}) - base == {"scheduling.volcano.sh"}
     assert groups({"features": {"gangProviders": ["SchedulerPlugins"]}}) - base == {"scheduling.x-k8s.io"}
+
+    def verbs(values: dict[str, Any], resource: str) -> set[str]:
+        return {v for r in operator_rules(render(values)) if resource in r["resources"] for v in r["verbs"]}
+
+    # The operator changes no pod: `patch` on pods only for Kueue's pod groups (features.kueue).
+    assert verbs({}, "pods") == {"create", "list", "watch", "delete"}
+    assert verbs({"features": {"kueue": True}}, "pods") - verbs({}, "pods") == {"patch"}
 
 
 def test_no_wildcards_in_rbac() -> None:

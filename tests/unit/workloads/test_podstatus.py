@@ -1,7 +1,11 @@
-"""podstatus: atomic files always; in-cluster PATCH of the pod's own annotations, throttled; never raises."""
+"""podstatus: atomic files always; in-cluster PATCH of the job's status.reports.<pod UID>, throttled; never raises.
+
+The API server here is a plain-HTTP stand-in that records requests; tests/integration/test_status_path.py
+runs the same code against a real kube-apiserver under the job's own Role."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
@@ -22,7 +26,8 @@ def _reset(monkeypatch: pytest.MonkeyPatch) -> None:
     podstatus._last_patch.clear()
     podstatus._in_flight.clear()
     podstatus._flushed.clear()
-    for var in ("SPECTRAIN_POD_NAME", "SPECTRAIN_POD_NAMESPACE", "KUBERNETES_SERVICE_HOST"):
+    for var in ("SPECTRAIN_POD_NAME", "SPECTRAIN_POD_NAMESPACE", "SPECTRAIN_POD_UID", "SPECTRAIN_JOB_NAME",
+                "KUBERNETES_SERVICE_HOST"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -44,7 +49,7 @@ def test_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     podstatus.report_drafter({"state": "Waiting"}, rank="x")  # type: ignore[arg-type]
 
 
-def test_in_cluster_patch_of_own_annotation_throttled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_in_cluster_patch_of_the_job_status_report_throttled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[str, str, dict[str, Any], str]] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -66,12 +71,16 @@ def test_in_cluster_patch_of_own_annotation_throttled(tmp_path: Path, monkeypatc
     monkeypatch.setattr(podstatus, "SA_DIR", sa)
     monkeypatch.setenv("SPECTRAIN_POD_NAME", "job-0")
     monkeypatch.setenv("SPECTRAIN_POD_NAMESPACE", "ns")
+    monkeypatch.setenv("SPECTRAIN_POD_UID", "uid-0")
+    monkeypatch.setenv("SPECTRAIN_JOB_NAME", "job")
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.server_port))
     monkeypatch.setenv("SPECTRAIN_RUN_DIR", str(tmp_path / "run"))
     # plain HTTP test server: let the https URL reach it
+    real = podstatus._in_cluster()
+    assert real is not None and real.server == f"https://127.0.0.1:{server.server_port}" and real.uid == "uid-0"
     monkeypatch.setattr(podstatus, "_in_cluster",
-                        lambda: (f"http://127.0.0.1:{server.server_port}", "ns", "job-0", "tok"))
+                        lambda: dataclasses.replace(real, server=f"http://127.0.0.1:{server.server_port}"))
     try:
         podstatus.report_progress({"step": 1})
         wait_for(lambda: len(seen) == 1, 5, what="first PATCH")
@@ -82,9 +91,11 @@ def test_in_cluster_patch_of_own_annotation_throttled(tmp_path: Path, monkeypatc
     finally:
         server.shutdown()
     path, ctype, body, auth = seen[-1]
-    assert path == "/api/v1/namespaces/ns/pods/job-0" and ctype == "application/merge-patch+json"
-    assert auth == "Bearer tok"
-    assert json.loads(body["metadata"]["annotations"]["spectrain.io/progress"])["step"] == 3
+    assert path == "/apis/spectrain.io/v1alpha1/namespaces/ns/spectrainjobs/job/status"
+    assert ctype == "application/merge-patch+json" and auth == "Bearer tok"
+    (report,) = body["status"]["reports"].values()
+    assert list(body["status"]["reports"]) == ["uid-0"] and report["pod"] == "job-0"
+    assert json.loads(report["progress"])["step"] == 3
 
 
 def test_a_flush_while_a_patch_is_in_flight_is_sent_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,7 +107,7 @@ def test_a_flush_while_a_patch_is_in_flight_is_sent_after_it(tmp_path: Path, mon
     class Handler(BaseHTTPRequestHandler):
         def do_PATCH(self) -> None:  # noqa: N802
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(json.loads(body["metadata"]["annotations"]["spectrain.io/progress"])["step"])
+            seen.append(json.loads(body["status"]["reports"]["u"]["progress"])["step"])
             release.wait(10)          # the first PATCH stays in flight until the test lets it go
             self.send_response(200)
             self.end_headers()
@@ -107,7 +118,8 @@ def test_a_flush_while_a_patch_is_in_flight_is_sent_after_it(tmp_path: Path, mon
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setattr(podstatus, "_in_cluster", lambda: (f"http://127.0.0.1:{server.server_port}", "ns", "p", "t"))
+    where = podstatus.Where(f"http://127.0.0.1:{server.server_port}", "ns", "job", "p", "u", "t")
+    monkeypatch.setattr(podstatus, "_in_cluster", lambda: where)
     monkeypatch.setenv("SPECTRAIN_RUN_DIR", str(tmp_path / "run"))
     try:
         podstatus.report_progress({"step": 1})

@@ -12,10 +12,10 @@ rank's pod at its first drafter port + LOCAL_WORLD_SIZE).
 One worker per local rank follows ring file `ring-<i>`: in this process for one local rank,
 else in one spawned process each. A disabled drafter (SPECTRAIN_DRAFTER_ENABLED=0, drafter.enabled
 false, policy Off) stays up idle, since a native sidecar that exits is restarted by the kubelet.
-Disabled in place by the operator (pod annotation names.ANNOTATION_DRAFTER_DISABLED, seen in the
-downward-API file SPECTRAIN_DRAFTER_CONTROL names; read by drafter.control): checked before anything
-opens the ring, touches the device or builds a model, and again at most every CONTROL_EVERY_S while
-working; the worker then stops, releases its model and the ring, reports Disabled/DisabledByOperator
+Disabled in place by the operator (the job's status.drafterDisabled, or the pod annotation
+names.ANNOTATION_DRAFTER_DISABLED seen in the downward-API file SPECTRAIN_DRAFTER_CONTROL names; read
+by drafter.control): checked before anything opens the ring, touches the device or builds a model,
+and again while working; the worker then stops, releases its model and the ring, reports Disabled/DisabledByOperator
 and idles until SIGTERM.
 A failure caused by a peer's frame (errors.PeerFrameError) exits with names.EXIT_PEER_FRAME, which
 the operator counts apart from the drafter's own faults.
@@ -200,8 +200,8 @@ def idle_disabled(run_dir: Path, rank: int, settings: Any, stop: Any, prometheus
     stays closed, so the target's back channel keeps the last state an earlier incarnation wrote)."""
     from spectrain_workloads.drafter.metrics import write_summary
 
-    print(f"spectrain-drafter: rank {rank} disabled by the operator ({ANNOTATION_DRAFTER_DISABLED}); idle",
-          flush=True)
+    print(f"spectrain-drafter: rank {rank} disabled by the operator (status.drafterDisabled or "
+          f"{ANNOTATION_DRAFTER_DISABLED}); idle", flush=True)
     summary = {"state": "Disabled", "reason": REASON_DISABLED, "policy": settings.policy, "arch": settings.arch}
     write_summary(run_dir, rank, {**summary, "updatedAt": time.time()}, flush=True)
     if prometheus is not None:

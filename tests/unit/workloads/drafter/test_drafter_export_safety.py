@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,10 +20,11 @@ import torch
 from spectrain_api.errors import ConfigError
 from spectrain_api.names import ANNOTATION_DRAFTER_DISABLED
 from spectrain_workloads.drafter import export as ex
-from spectrain_workloads.drafter.control import DrafterControl, go_unquote, parse_control
+from spectrain_workloads.drafter.control import DrafterControl, disabled_in_status, go_unquote, parse_control
 from spectrain_workloads.drafter.models import build_drafter
 from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.model import model_config
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
@@ -216,3 +219,32 @@ def test_a_failure_a_peer_caused_exits_with_its_own_code(tmp_path: Path, monkeyp
     assert "PeerFrameError: rank 3 sent" in log.read_text()
     log.unlink()
     assert _guarded(own) == EXIT_ERROR
+
+
+def test_control_reads_the_job_status_first_waited_for_then_in_the_background() -> None:
+    """status.drafterDisabled (for this restart generation) disables; the first question waits for the
+    answer (the sidecar asks before it touches the ring), later ones never block the worker."""
+    answers = [{"phase": "Running"}, {"drafterDisabled": True, "drafterDisabledGeneration": 1}]
+    asked = threading.Event()
+    release = threading.Event()
+
+    def read_status() -> dict[str, Any] | None:
+        answer = answers.pop(0)
+        if not answers:            # the second question: held until the test lets it go
+            asked.set()
+            release.wait(10)
+        return answer
+
+    control = DrafterControl(None, read_status=read_status, generation=1, status_every_s=0)
+    assert control.disabled() is False                      # answered before returning: not disabled
+    assert control.disabled() is False                      # asked in the background: returns at once
+    assert asked.wait(5)
+    release.set()
+    wait_for(control.disabled, 5, what="the background answer")
+    assert control.disabled() is True                       # for the life of the process
+    assert disabled_in_status({"drafterDisabled": True, "drafterDisabledGeneration": 0}, 1) is False
+    assert disabled_in_status({"drafterDisabled": True}, 1) is True
+    assert disabled_in_status({"drafterDisabled": "yes"}, None) is False
+    assert disabled_in_status(None, 1) is False
+    outside = DrafterControl(None, read_status=lambda: None)     # no API server: nothing says disabled
+    assert outside.disabled() is False
