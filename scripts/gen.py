@@ -5,6 +5,9 @@
 - operator/spectrain_operator/data/*.yaml        the same copies, shipped in the operator package
 - docs/api.md                                    field reference generated from the CRD
 - helm/spectrain-operator/dashboards/*.json      the Grafana dashboard, from scripts/dashboard.py
+- helm/spectrain-operator/templates/status-policy.yaml
+                                                 the pods-write-only-status.reports admission policy,
+                                                 from scripts/status_policy.py and the CRD's status schema
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ sys.path.insert(0, str(ROOT / "operator"))   # spectrain_api: torch-free
 
 import crd_def  # noqa: E402
 import dashboard  # noqa: E402
+import status_policy  # noqa: E402
 
 CRD_FILE = ROOT / "crds" / "spectrain.io_spectrainjobs.yaml"
 COPIES = [ROOT / "helm" / "spectrain-operator" / "crds", ROOT / "operator" / "spectrain_operator" / "data"]
@@ -143,6 +147,8 @@ def main() -> int:
             write(target_dir / src.name, src.read_text())
     write(ROOT / "docs" / "api.md", api_md(yaml.safe_load(CRD_FILE.read_text())))
     write(DASHBOARD_FILE, dashboard.render())
+    write(ROOT / "helm" / "spectrain-operator" / "templates" / status_policy.FILE_NAME,
+          status_policy.render(crd_def.status_schema()))
     return 0
 
 

@@ -9,6 +9,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import helm_python as helm
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
@@ -96,6 +97,40 @@ def test_running_progress_and_drafter_from_the_pods_reports(env: Env, tmp_path: 
     assert st["reports"].keys() == {pods[0]["metadata"]["uid"]} and report["pod"] == "r1-0"
     # the pass posts its Events after writing the status: wait for them, not just the status
     wait_for(lambda: [e["reason"] for e in env.events("r1")].count("Running") == 1, 10, what="the Running Event")
+
+
+def test_the_chart_s_status_policy_keeps_the_pods_to_their_reports(env: Env, tmp_path: Path) -> None:
+    """The chart's ValidatingAdmissionPolicy (helm/.../status-policy.yaml, rendered with the default
+    values) in the real apiserver: the job's own ServiceAccount may write status.reports, and a write
+    of any field the operator decides with (here restarts and drafterDisabled) is refused."""
+    with helm.Chart.load(ROOT / "helm" / "spectrain-operator") as chart:
+        out = chart.render({}, name="spectrain", namespace="spectrain-system")
+    docs = [d for d in yaml.safe_load_all(out["spectrain-operator/templates/status-policy.yaml"]) if d]
+    assert [d["kind"] for d in docs] == ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    env.create(env.manifest("vp"))
+    pods = env.wait_pods("vp", 2)
+    env.wait_phase("vp", "Pending")
+    base = f"/apis/{GROUP}/{VERSION}/namespaces/{env.ns}/{PLURAL}/vp/status"
+    try:
+        for d in docs:
+            env.kube.apply(d)
+        with as_pod(env.kube, pods[0], tmp_path / "sa"):
+            # the policy is in force once the apiserver's admission has loaded it (each probe a new
+            # value: one written before that would make the same value again no change at all)
+            probes = iter(range(10**6))
+            wait_for(lambda: request_status("PATCH", base, {"status": {"lastFailure": f"probe {next(probes)}"}})
+                     == 403, 30, interval=0.2, what="the status policy in force")
+            assert request_status("PATCH", base, {"status": {"restarts": 7}}) == 403   # any change of it
+            assert request_status("PATCH", base, {"status": {"drafterDisabled": True}}) == 403
+            podstatus.report_progress({"step": 5}, flush=True)
+            wait_for(lambda: env.status("vp").get("progress", {}).get("step") == 5, 10, what="the report, allowed")
+        assert env.status("vp").get("restarts", 0) == 0 and env.status("vp").get("drafterDisabled") is not True
+        # the operator itself is not the job's ServiceAccount: its own status writes go on
+        env.run_pods("vp", pods)
+        env.wait_phase("vp", "Running")
+    finally:
+        for d in reversed(docs):
+            env.kube.delete(d)
 
 
 def test_target_failure_restarts_the_gang_then_fails_after_max_restarts(env: Env) -> None:

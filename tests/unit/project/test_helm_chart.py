@@ -240,9 +240,11 @@ def test_default_deployment_is_hardened() -> None:
     assert not by_kind(docs, "PodDisruptionBudget")
     assert not [r for r in by_kind(docs, "Role") if leader_election(r)]   # no Lease with one replica
     # monitoring objects (ServiceMonitor, PodMonitor, PrometheusRule, dashboard ConfigMap) are opt-in;
-    # the ClusterRoles are the aggregate-to-edit/view ones (test_spectrainjobs_join_the_default_user_roles)
+    # the ClusterRoles are the aggregate-to-edit/view ones (test_spectrainjobs_join_the_default_user_roles);
+    # the admission policy keeps the job pods to their reports (test_the_status_policy_guards_...)
     assert {d["kind"] for d in docs} == {"Deployment", "ServiceAccount", "ClusterRole", "Role", "RoleBinding",
-                                         "Service", "NetworkPolicy"}
+                                         "Service", "NetworkPolicy", "ValidatingAdmissionPolicy",
+                                         "ValidatingAdmissionPolicyBinding"}
     sa = one(docs, "ServiceAccount")["metadata"]["name"]
     assert pod["serviceAccountName"] == sa
 
@@ -577,3 +579,22 @@ def test_spectrainjobs_join_the_default_user_roles() -> None:
     # SpecTrainJobs only: no pods, secrets or anything the operator creates for a job
     assert {res for r in edit["rules"] + view["rules"] for res in r["resources"]} == {"spectrainjobs", "spectrainjobs/status"}
     assert not [r for r in by_kind(render({"rbac": {"aggregateToDefaultRoles": False}}), "ClusterRole") if aggregated(r)]
+
+
+def test_the_status_policy_guards_every_status_field_but_the_reports() -> None:
+    """The pods may write status.reports only: one validation per other field of the CRD's status
+    (generated from it, so a new field is guarded too), matched to the job's own ServiceAccount."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import crd_def
+
+    (policy,) = by_kind(render({}), "ValidatingAdmissionPolicy")
+    (binding,) = by_kind(render({}), "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"] and binding["spec"]["validationActions"] == ["Deny"]
+    assert policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["spectrainjobs/status"]
+    guarded = [re.match(r"status\.(\w+) is the operator's", v["message"]).group(1)  # type: ignore[union-attr]
+               for v in policy["spec"]["validations"]]
+    assert guarded == [f for f in crd_def.status_schema()["properties"] if f != "reports"]
+    assert "+ '-status'" in policy["spec"]["matchConditions"][0]["expression"]
+    assert not by_kind(render({"statusPolicy": {"enabled": False}}), "ValidatingAdmissionPolicy")
