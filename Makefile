@@ -90,7 +90,7 @@ demo-hf: $(STAMP) ## a tiny random HF Llama built offline, trained by examples/h
 	$(PY) -m spectrain_workloads.hf.tiny $(DEMO_HF_MODEL) --layers 8
 	$(VENV)/bin/spectrain run examples/hf-tiny.yaml --run-dir runs/demo-hf --report
 	$(VENV)/bin/spectrain generate --model runs/demo-hf/run/target/hf --drafter runs/demo-hf/run/drafter \
-	  --prompt "def main(argv):" --max-new-tokens 48 --compare
+	  --prompt "def main(argv):" --max-new-tokens 48 --compare --repeats 21
 
 RUN ?= runs/demo
 RANK ?= 0
