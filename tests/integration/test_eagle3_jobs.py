@@ -3,8 +3,8 @@ from the pipeline stages holding them (harvest.feature_tap), travel over the aut
 the last stage's drafter, which assembles the samples (drafter.eagle3_assembly); every stage's
 drafter trains; the export is the project's layout plus, for a Hugging Face target, the sglang/ and
 speculators/ layouts (checked against the loaders' tables); `spectrain generate` with it emits
-transformers' greedy tokens (tiny Llama over 4 stages, tiny Qwen3 over 2; Qwen2 in
-test_hf_target.py; the presets' EAGLE-3 in tests/unit). The drafters run with activation Always so that the test does not
+transformers' greedy tokens (tiny Llama over 4 stages, tiny Qwen3 and tiny Qwen2 with tied embeddings
+over 2; the presets' EAGLE-3 in tests/unit). The drafters run with activation Always so that the test does not
 depend on this machine's window lengths (harvest in windows is the Eagle tests' subject)."""
 
 from __future__ import annotations
@@ -59,18 +59,19 @@ def summaries(run: Path) -> dict[int, dict[str, Any]]:
     return {r: json.loads(p.read_text()) for r, p in rundir.drafter_summaries(run)}
 
 
-@pytest.mark.parametrize(("arch", "pipeline", "drafter"), [
-    ("LlamaForCausalLM", 4, {}),                            # layers (1, 2, 3): stage 0 holds none
-    ("Qwen3ForCausalLM", 2, {"draftVocabSize": 200}),       # layer 1 on stage 0; a draft vocabulary
-], ids=["llama-p4", "qwen3-p2"])
+@pytest.mark.parametrize(("arch", "pipeline", "drafter", "tie"), [
+    ("LlamaForCausalLM", 4, {}, False),                         # layers (1, 2, 3): stage 0 holds none
+    ("Qwen3ForCausalLM", 2, {"draftVocabSize": 200}, False),    # layer 1 on stage 0; a draft vocabulary
+    ("Qwen2ForCausalLM", 2, {}, True),                          # the LM head is the embedding (tied)
+], ids=["llama-p4", "qwen3-p2", "qwen2-tied-p2"])
 def test_eagle3_by_default_features_from_every_stage_exports_conform_generate_is_greedy(
-        tmp_path: Path, arch: str, pipeline: int, drafter: dict[str, Any]) -> None:
+        tmp_path: Path, arch: str, pipeline: int, drafter: dict[str, Any], tie: bool) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from spectrain_workloads.drafter.eagle3_tables import layout_problems
     from spectrain_workloads.drafter.export import resolve_export
 
-    model = build_model(tmp_path / "model", arch, layers=4, seed=2)
+    model = build_model(tmp_path / "model", arch, layers=4, tie=tie, seed=2)
     run = run_job(tmp_path, job({"path": f"file://{model}"}, pipeline=pipeline, steps=STEPS, drafter=drafter))
     s = summaries(run)
     last = pipeline - 1
