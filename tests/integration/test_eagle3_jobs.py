@@ -4,7 +4,7 @@ the last stage's drafter, which assembles the samples (drafter.eagle3_assembly);
 drafter trains; the export is the project's layout plus, for a Hugging Face target, the sglang/ and
 speculators/ layouts (checked against the loaders' tables); `spectrain generate` with it emits
 transformers' greedy tokens (tiny Llama over 4 stages, tiny Qwen3 and tiny Qwen2 with tied embeddings
-over 2; the presets' EAGLE-3 in tests/unit). The drafters run with activation Always so that the test does not
+over 2); the project's debug preset over 2 stages assembles and trains the same way. The drafters run with activation Always so that the test does not
 depend on this machine's window lengths (harvest in windows is the Eagle tests' subject)."""
 
 from __future__ import annotations
@@ -104,3 +104,19 @@ def test_eagle3_by_default_features_from_every_stage_exports_conform_generate_is
     ref = ref_model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.size(1):].tolist()
     eos = ref_model.config.eos_token_id
     assert got == (ref[: ref.index(eos) + 1] if eos in ref else ref)
+
+
+def test_eagle3_on_the_project_s_debug_preset_over_two_stages(tmp_path: Path) -> None:
+    """The project's own target (preset debug) with arch Eagle3: stage 0 sends its feature layer's parts,
+    the last stage assembles them with none rejected, both drafters train, and the export is the
+    project's layout only (the serving layouts are for Hugging Face targets)."""
+    from spectrain_workloads.drafter.export import resolve_export
+
+    run = run_job(tmp_path, job({"preset": "debug"}, pipeline=2, steps=STEPS, drafter={"arch": "Eagle3"}))
+    s = summaries(run)
+    assert sorted(s) == [0, 1] and all(s[r]["arch"] == "Eagle3" and s[r]["samplesTrained"] > 0 for r in s), s
+    assert s[0]["featurePartsSent"] > 0, s
+    assert s[1]["featureSamplesAssembled"] > 0 and s[1]["featurePartsRejected"] == 0, s
+    assert s[0]["samplesFromPeers"] > 0, s
+    export = resolve_export(run / "drafter")
+    assert not [p.name for p in export.iterdir() if p.is_dir()], "no serving layout without a Hugging Face target"
