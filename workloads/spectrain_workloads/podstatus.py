@@ -47,7 +47,7 @@ from spectrain_api.names import (
 
 THROTTLE_S = 10.0
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-PATCH_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 5.0
 
 log = logging.getLogger("spectrain.podstatus")
 _lock = threading.Lock()
@@ -109,7 +109,7 @@ def _request(where: Where, method: str, url: str, body: dict[str, Any] | None = 
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     ca = SA_DIR / "ca.crt"
     ctx = ssl.create_default_context(cafile=str(ca)) if ca.is_file() else ssl.create_default_context()
-    with urllib.request.urlopen(req, timeout=PATCH_TIMEOUT_S, context=ctx) as resp:
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S, context=ctx) as resp:
         return json.loads(resp.read() or b"null")
 
 
