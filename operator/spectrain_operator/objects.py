@@ -130,8 +130,11 @@ def service_name(job: Obj) -> str:
     return str(job["metadata"]["name"])
 
 
+STATUS_ACCOUNT_SUFFIX = "-status"   # <job>-status: the status path's ServiceAccount, Role and RoleBinding
+
+
 def status_account_name(job: Obj) -> str:
-    return f"{job['metadata']['name']}-status"
+    return f"{job['metadata']['name']}{STATUS_ACCOUNT_SUFFIX}"
 
 
 def fleet_key_name(job: Obj) -> str:

@@ -4,8 +4,9 @@ Every accessor is defensive: a field missing, null or of the wrong type reads as
 never raises, because a pod's status is written by kubelets, Kueue and users, not by the
 operator. The operator's own labels (builders.LABEL_NODE, builders.LABEL_GENERATION) and
 annotations are read here too, and so are the reports each pod writes into its job's status
-(names.STATUS_REPORTS, keyed by the pod's UID: written by the job's pods, so read as untrusted). Timestamps are RFC 3339 in UTC ("2026-01-01T12:00:00Z");
-`parse_time` reads them as aware datetimes, so any two compare.
+(names.STATUS_REPORTS, keyed by the pod's UID: written by the job's pods, so read as untrusted).
+Timestamps are RFC 3339 in UTC ("2026-01-01T12:00:00Z"); `parse_time` reads them as aware
+datetimes, so any two compare.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def report(job_status: Any, pod: Obj, kind: str) -> Obj | None:
     by this very pod (keyed by its UID, naming it): a JSON object, or None (missing, too long, not
     JSON, not an object, or left by an earlier pod of the same name)."""
     reports = job_status.get(STATUS_REPORTS) if isinstance(job_status, dict) else None
-    entry = reports.get(uid(pod)) if isinstance(reports, dict) and uid(pod) else None
+    key = uid(pod)
+    entry = reports.get(key) if isinstance(reports, dict) and key else None
     if not isinstance(entry, dict) or entry.get(REPORT_POD) != name(pod):
         return None
     raw = entry.get(kind)

@@ -176,8 +176,7 @@ class Reconciler:
         differ from the last ones seen for the job: a job event whose only news is a report needs one
         batched pass (`pod_changed`), as the pods' own changes do."""
         reports = status.get(STATUS_REPORTS) if isinstance(status, Mapping) else None
-        seen = json.dumps(reports, sort_keys=True, default=lambda v: dict(v) if isinstance(v, Mapping) else str(v)) \
-            if reports else ""
+        seen = json.dumps(reports, sort_keys=True, default=dict) if reports else ""   # dict: kopf views
         if self._reports_seen.get((namespace, name), "") == seen:
             return False
         self._reports_seen[(namespace, name)] = seen

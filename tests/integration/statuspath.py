@@ -18,21 +18,19 @@ from typing import Any
 import pytest
 
 from spectrain_api.names import ENV_JOB_NAME, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_POD_UID
+from spectrain_operator import objects
 from spectrain_workloads import podstatus
 from tests.integration.kubeapi import KubeAPI
-
-
-def status_account(job_name: str) -> str:
-    return f"{job_name}-status"
 
 
 @contextmanager
 def as_pod(kube: KubeAPI, pod: dict[str, Any], sa_dir: Path) -> Iterator[None]:
     """podstatus in this process speaks for `pod` (a pod object of a SpecTrainJob) until the block ends."""
     meta = pod["metadata"]
-    job = meta["labels"]["spectrain.io/job-name"]
+    job = meta["labels"][objects.LABEL_JOB]
     sa_dir.mkdir(parents=True, exist_ok=True)
-    (sa_dir / "token").write_text(kube.service_account_token(meta["namespace"], status_account(job), pod=pod))
+    account = objects.status_account_name({"metadata": {"name": job}})
+    (sa_dir / "token").write_text(kube.service_account_token(meta["namespace"], account, pod=pod))
     shutil.copyfile(kube.pki / "ca.crt", sa_dir / "ca.crt")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(podstatus, "SA_DIR", sa_dir)

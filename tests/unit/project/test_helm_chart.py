@@ -499,6 +499,9 @@ def test_notes_mention_the_essentials() -> None:
     {"image": {"digest": "latest"}},
     {"networkPolicy": {"enabled": "yes"}},
     {"networkPolicy": {"metricsFrom": [{"namespaceSelectorr": {}}]}},
+    {"features": {"kueue": "yes"}},
+    {"statusPolicy": {"enabled": "yes"}},
+    {"statusPolicy": {"enable": True}},
 ])
 def test_values_schema_rejects(bad: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmError):

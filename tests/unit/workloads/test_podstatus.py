@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from spectrain_api import rundir
+from spectrain_api.names import MAX_REPORT_CHARS
 from spectrain_workloads import podstatus
 from tests.waiting import wait_for
 
@@ -129,5 +130,38 @@ def test_a_flush_while_a_patch_is_in_flight_is_sent_after_it(tmp_path: Path, mon
         release.set()
         wait_for(lambda: seen == [1, 3], 5, what="the flushed PATCH after the in-flight one")
         wait_for(lambda: not podstatus._in_flight, 5, what="no PATCH in flight")
+    finally:
+        server.shutdown()
+
+
+def test_a_report_over_the_bound_is_not_sent_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A report whose JSON exceeds MAX_REPORT_CHARS (the CRD's bound, which the API server would refuse)
+    is not sent: the file still has it, one warning names the size and the bound, training goes on."""
+    seen: list[Any] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:  # noqa: N802
+            seen.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    where = podstatus.Where(f"http://127.0.0.1:{server.server_port}", "ns", "job", "p", "u", "t")
+    monkeypatch.setattr(podstatus, "_in_cluster", lambda: where)
+    monkeypatch.setattr(podstatus, "_warned", False)
+    monkeypatch.setenv("SPECTRAIN_RUN_DIR", str(tmp_path / "run"))
+    try:
+        with caplog.at_level("WARNING", logger="spectrain.podstatus"):
+            podstatus.report_drafter({"state": "Active", "artifact": "x" * MAX_REPORT_CHARS}, rank=0, flush=True)
+            wait_for(lambda: not podstatus._in_flight, 5, what="the PATCH thread done")
+        assert seen == []
+        assert f"over {MAX_REPORT_CHARS}" in caplog.text and "drafter report" in caplog.text
+        assert json.loads(rundir.drafter_summary(tmp_path / "run", 0).read_text())["state"] == "Active"
     finally:
         server.shutdown()
