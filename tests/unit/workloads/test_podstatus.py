@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,25 @@ def _reset(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
 
 
+def api_server(on_patch: Callable[[BaseHTTPRequestHandler, bytes], None]) -> ThreadingHTTPServer:
+    """A plain-HTTP stand-in for the API server, serving in a thread: every PATCH goes to
+    `on_patch(handler, body)`, then is answered 200 {}. Call .shutdown() when done."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:  # noqa: N802
+            on_patch(self, self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 def test_files_are_written_atomically_with_nan_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECTRAIN_RUN_DIR", str(tmp_path))
     podstatus.report_progress({"step": 3, "totalSteps": 10, "loss": float("nan"), "tokensPerSecond": 5.0})
@@ -52,20 +72,8 @@ def test_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_in_cluster_patch_of_the_job_status_report_throttled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[str, str, dict[str, Any], str]] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_PATCH(self) -> None:  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append((self.path, self.headers["Content-Type"], body, self.headers["Authorization"]))
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = api_server(lambda h, body: seen.append(
+        (h.path, h.headers["Content-Type"], json.loads(body), h.headers["Authorization"])))
     sa = tmp_path / "sa"
     sa.mkdir()
     (sa / "token").write_text("tok\n")
@@ -105,20 +113,11 @@ def test_a_flush_while_a_patch_is_in_flight_is_sent_after_it(tmp_path: Path, mon
     seen: list[int] = []
     release = threading.Event()
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_PATCH(self) -> None:  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(json.loads(body["status"]["reports"]["u"]["progress"])["step"])
-            release.wait(10)          # the first PATCH stays in flight until the test lets it go
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"{}")
+    def on_patch(_: BaseHTTPRequestHandler, body: bytes) -> None:
+        seen.append(json.loads(json.loads(body)["status"]["reports"]["u"]["progress"])["step"])
+        release.wait(10)          # the first PATCH stays in flight until the test lets it go
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = api_server(on_patch)
     where = podstatus.Where(f"http://127.0.0.1:{server.server_port}", "ns", "job", "p", "u", "t")
     monkeypatch.setattr(podstatus, "_in_cluster", lambda: where)
     monkeypatch.setenv("SPECTRAIN_RUN_DIR", str(tmp_path / "run"))
@@ -138,20 +137,8 @@ def test_a_report_over_the_bound_is_not_sent_and_says_why(tmp_path: Path, monkey
                                                           caplog: pytest.LogCaptureFixture) -> None:
     """A report whose JSON exceeds MAX_REPORT_CHARS (the CRD's bound, which the API server would refuse)
     is not sent: the file still has it, one warning names the size and the bound, training goes on."""
-    seen: list[Any] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_PATCH(self) -> None:  # noqa: N802
-            seen.append(self.rfile.read(int(self.headers["Content-Length"])))
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    seen: list[bytes] = []
+    server = api_server(lambda _, body: seen.append(body))
     where = podstatus.Where(f"http://127.0.0.1:{server.server_port}", "ns", "job", "p", "u", "t")
     monkeypatch.setattr(podstatus, "_in_cluster", lambda: where)
     monkeypatch.setattr(podstatus, "_warned", False)
