@@ -30,35 +30,34 @@ n + 1 trials), forgetting old trials beyond `forget_trials` (the drafter keeps t
 run), shrunk toward the pooled estimate of all buckets with `shrink` pseudo-trials; the pooled one
 starts from a prior of `prior_trials` trials at `prior_alpha`.
 
-Measured value (rows running to their budget, no EOS). `progress` takes rows alike; they are not (one
-prompt's continuation is easy to draft, another's is not). What a step is worth is how much sooner the
-batch can finish: F(left) = plain decoding's time to finish rows with `left` tokens to go, where rows
-drop out as they finish and the batch compacts to smaller buckets (`finish_time`, from the measured
-plain step times). Each speculative step reports `left` before and after; its realized value is
-(F(before) - F(after)) / P(nb) plain steps' worth (a plain step is worth exactly 1; easy rows running
-ahead are worth what their finishing early saves). Per bucket the controller keeps realized over
-predicted extra value (value - 1), from `value_prior` predicted extra tokens at ratio 1 and
-forgetting beyond `forget_tokens`, and scales every arm's extra progress by it.
+Value without EOS (rows running to their budget; F and the model's value: `value`). Per bucket the
+controller keeps realized extra value (F(before) - F(after)) / P(nb) - 1 over the model's in the same
+state, from `value_prior` tokens at ratio 1, forgetting beyond `forget_tokens`; it scales every arm's
+extra progress. Plain prices are fixed per rollout (`price`), so a rollout's values add up.
 
 Exploration budget. A step that the estimates do not choose (a probe of k > 0 while plain wins, or a
 plain step while speculating, which keeps P current) is charged its regret: its time minus the time
-the chosen policy needs for the tokens the step committed (without EOS: for its realized value). Such
-steps run only while the charged regret is <= `explore` x the time of every recorded step, so
-exploration costs at most that share
-of decode time plus one step. A probe runs when an optimistic acceptance (mean + 2 standard errors)
-says drafting could win, or when the bucket has not been probed for `stale_steps` steps (a drafter
-that improved is noticed even after its estimate settled at "useless").
+the chosen policy needs for the tokens the step committed (without EOS: for its realized value), plus
+a probe's catch-up (the drafter feeding every token decoded plainly since it last ran: after a long
+plain run about one plain step's time, more than the probe's own forwards) unless the probe turns the
+bucket to speculating. Such steps run only while the charged regret is <= `explore` x the time of
+every recorded step, so exploration costs at most that share of decode time plus one step. A probe
+runs when optimistic estimates (acceptance: mean + 2 standard errors; value ratio: plus its
+uncertainty, at most 1) say drafting could win, or when the bucket has not been probed for
+`stale_steps` steps (a drafter that improved is noticed even after its estimate settled at "useless").
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from spectrain_api.names import FIXED
+from spectrain_workloads.specdec import value
 
 ARMS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)   # draft lengths the controller prices (plus max_draft itself)
 
@@ -101,7 +100,7 @@ class DraftController:
     REPLAN_ALPHA = 0.02     # an acceptance estimate that moved by more than this replans its bucket at once
 
     def __init__(self, *, max_draft: int, batch_threshold: int, strategy: str, margin: float = 0.08,
-                 explore: float = 0.02, window: int = 9, min_samples: int = 3, stale_steps: int = 256,
+                 explore: float = 0.01, window: int = 9, min_samples: int = 3, stale_steps: int = 256,
                  replan_every: int = 16, remeasure_every: int = 64, prior_alpha: float = 0.5,
                  prior_trials: float = 2.0, forget_trials: float = 512.0, shrink: float = 4.0,
                  value_prior: float = 4.0, forget_tokens: float = 256.0) -> None:
@@ -123,6 +122,10 @@ class DraftController:
         self._since_probe: dict[int, int] = {}
         self._spec_run: dict[int, int] = {}                            # spec steps since plain was measured
         self._explore_step = False
+        self._exploiting = False        # the last choose() speculated because the estimates say it pays
+        self._switch_due: dict[int, float] = {}                        # bucket -> a probe's catch-up seconds
+        self._prices: dict[int, float] = {}                            # bucket -> this rollout's plain price
+        self._rng = random.Random(0)                                   # expected_value's draws
         self._tokens_per_row = 1.0      # the last step's committed tokens per active row
         self.accepted, self.trials = 0.0, 0.0    # pooled over buckets (set by reset_acceptance)
         self.reset_acceptance()
@@ -162,55 +165,39 @@ class DraftController:
         n = tr + self.shrink
         return min((acc + self.shrink * self.alpha) / n, 0.999), n
 
-    def value_ratio(self, bucket: int) -> float:
-        """Realized / predicted extra value of this bucket's speculative steps (rows to their budget)."""
+    def value_ratio(self, bucket: int, optimistic: bool = False) -> float:
+        """Realized / predicted extra value of this bucket's speculative steps (rows to their budget);
+        optimistic: plus its uncertainty, 1 / sqrt(1 + predicted / value_prior) (1 with nothing seen, ~0.12
+        once `forget_tokens` are), at most max(ratio, 1)."""
         real, pred = self.extra.get(bucket, (0.0, 0.0))
-        return max(0.0, (real + self.value_prior) / (pred + self.value_prior))
+        ratio = max(0.0, (real + self.value_prior) / (pred + self.value_prior))
+        if not optimistic:
+            return ratio
+        return min(max(ratio, 1.0), ratio + 1 / math.sqrt(1 + pred / self.value_prior))
+
+    def new_rollout(self) -> None:
+        """A rollout starts: the plain prices `finish_time` uses are fixed for its length (`price`)."""
+        self._prices.clear()
+
+    def price(self, bucket: int) -> float:
+        """The plain step price of `bucket` that values steps during this rollout: measured, else the
+        nearest measured larger bucket's (assuming no saving), else the nearest smaller one's. Fixed from
+        its first use to the next `new_rollout`, so the values of a rollout's steps add up to its plain
+        time (F telescopes), whatever bucket a step ran in and however the measurements moved since."""
+        p = self._prices.get(bucket)
+        if p is None:
+            measured = sorted(b for b, k in self.step_s if k == 0)
+            larger = [b for b in measured if b >= bucket]
+            near = larger[0] if larger else (measured[-1] if measured else None)
+            p = self._prices[bucket] = (self.plain_time(near) or 0.0) if near is not None else 0.0
+        return p
 
     def finish_time(self, left: list[int], bucket: int) -> float:
-        """F: plain decoding's seconds to finish rows with `left` tokens to go in `bucket`. With rows
-        sorted longest first, while the i longest are active every step costs the plain time of the
-        bucket they compact to (the power of two >= i, at most `bucket`; a bucket not measured yet costs
-        the nearest measured larger one's, assuming no saving)."""
-        rows = sorted((x for x in left if x > 0), reverse=True)
-        base = self.plain_time(bucket) or 0.0
-        prices: dict[int, float] = {}
+        """F at this rollout's prices (`value.finish_time`)."""
+        return value.finish_time(left, bucket, self.price)
 
-        def price(active: int) -> float:
-            b = min(bucket, 1 << max(0, active - 1).bit_length())
-            if b not in prices:
-                c = b
-                while c < bucket and self.plain_time(c) is None:
-                    c *= 2
-                prices[b] = (self.plain_time(c) or base) if c < bucket else base
-            return prices[b]
-        total = 0.0
-        for i, x in enumerate(rows):
-            total += (x - (rows[i + 1] if i + 1 < len(rows) else 0)) * price(i + 1)
-        return total
-
-    @staticmethod
-    def expected_tokens(k: int, a: float) -> float:
-        """E[committed tokens per row] for k drafts at per-token acceptance a (bonus token included)."""
-        return (1 - a ** (k + 1)) / (1 - a)
-
-    @classmethod
-    def progress(cls, k: int, a: float, n_rows: int, horizon: int | None) -> float:
-        """Expected progress per step of the batch's last row to finish, in tokens.
-
-        horizon None (rows end at EOS): the row that finishes last is the one with the longest answer,
-        and it advances E_k per step. Otherwise every row runs to its budget and the batch ends with
-        its slowest row: over the remaining horizon / E_k steps, the slowest of n rows, each committing
-        i.i.d. c per step (mean E_k, standard deviation sd), advances about E_k - z_n sd / sqrt(steps)
-        per step, z_n = sqrt(2 ln n) (the expected maximum of n standard normals, roughly); at least 1.
-        """
-        mean = cls.expected_tokens(k, a)
-        if horizon is None or n_rows <= 1 or k == 0:
-            return mean
-        second = sum((2 * j - 1) * a ** (j - 1) for j in range(1, k + 2))       # E[c^2]: P(c >= j) = a^(j-1)
-        sd = math.sqrt(max(0.0, second - mean * mean))
-        steps = max(1.0, horizon / mean)
-        return max(1.0, mean - math.sqrt(2 * math.log(n_rows)) * sd / math.sqrt(steps))
+    expected_tokens = staticmethod(value.expected_tokens)
+    progress = staticmethod(value.progress)
 
     # ---- costs
     def plain_time(self, bucket: int) -> float | None:
@@ -273,14 +260,13 @@ class DraftController:
         a_opt = min(0.999, a + 2 * math.sqrt(max(a * (1 - a), 0.05 * 0.95) / n))
         plain = self.plain_time(bucket) or 0.0
         cost = {k: max(self.step_time(bucket, k), 1e-12) for k in self.arms}
-        ratio = self.value_ratio(bucket) if horizon is not None else 1.0
+        ratio, ratio_opt = ((self.value_ratio(bucket), self.value_ratio(bucket, optimistic=True))
+                            if horizon is not None else (1.0, 1.0))
 
         def gain(k: int, alpha: float, r: float) -> float:
             return (1 + (self.progress(k, alpha, n_active, horizon) - 1) * r) * plain / cost[k]
         g = {k: gain(k, a, ratio) for k in self.arms}
-        # Optimism for probing: the value ratio too (it may have been learnt while the small buckets'
-        # prices were unknown, and it changes only when this bucket speculates).
-        go = {k: gain(k, a_opt, max(ratio, 1.0)) for k in self.arms}
+        go = {k: gain(k, a_opt, ratio_opt) for k in self.arms}     # probing: optimism on both estimates
         k = max(self.arms, key=lambda j: (g[j], -j))
         k_opt = max(self.arms, key=lambda j: (go[j], -j))
         plan = (k, g[k], k_opt, go[k_opt], a, ratio)
@@ -297,7 +283,16 @@ class DraftController:
                horizon: Callable[[], int] | None = None) -> int:
         """k for the next step; horizon() (asked only when replanning): the active rows' largest remaining
         token budget, for batches whose rows all run to their budget (no EOS); None: rows end at EOS."""
-        self._explore_step = False
+        k = self._choose(bucket, n_active, can_draft, horizon)
+        # A probe's catch-up is regret unless the probe turned the bucket to speculating (then it is the
+        # price of the switch the estimates chose).
+        due = self._switch_due.pop(bucket, 0.0)
+        if not self._exploiting:
+            self.regret_s += due
+        return k
+
+    def _choose(self, bucket: int, n_active: int, can_draft: bool, horizon: Callable[[], int] | None) -> int:
+        self._explore_step = self._exploiting = False
         if not can_draft or n_active > self.batch_threshold:
             return 0
         if self.strategy == FIXED:
@@ -311,6 +306,7 @@ class DraftController:
             plan = self._replan(bucket, n_active, horizon() if horizon is not None else None)
         k, gain, k_opt, gain_opt, _, _ = plan
         if gain > 1 + self.margin:
+            self._exploiting = True
             run = self._spec_run.get(bucket, 0) + 1
             self._spec_run[bucket] = run
             if run >= self.remeasure_every and self._within_budget():   # keep P current
@@ -351,12 +347,12 @@ class DraftController:
     def record_value(self, bucket: int, k: int, before: list[int], after: list[int]) -> None:
         """A step with k drafts (rows running to their budget) took the active rows from `before` to
         `after` tokens to go."""
-        plain = self.plain_time(bucket)
+        plain = self.price(bucket)
         if not plain or not before:
             return
         realized = (self.finish_time(before, bucket) - self.finish_time(after, bucket)) / plain
         self._tokens_per_row = realized         # what an exploring step is charged against
-        predicted = min(self.progress(k, self.alpha_for(bucket)[0], len(before), max(before)), max(before))
+        predicted = self.expected_value(k, self.alpha_for(bucket)[0], before, bucket)
         real, pred = self.extra.get(bucket, (0.0, 0.0))
         real, pred = real + realized - 1, pred + predicted - 1
         if pred > self.forget_tokens:
@@ -366,15 +362,25 @@ class DraftController:
         if plan is not None and abs(self.value_ratio(bucket) - plan[5]) > 0.05:
             del self._plan[bucket]
 
+    def expected_value(self, k: int, a: float, before: list[int], bucket: int, samples: int = 4) -> float:
+        """The i.i.d. model's value of a k-draft step from `before`, in plain steps (`value.expected_value`)."""
+        plain = self.price(bucket)
+        if not plain or not before:
+            return 1.0
+        return value.expected_value(k, a, before, bucket, self.price, self._rng.random, samples) / plain
+
     def _forget(self, accepted: float, trials: float) -> tuple[float, float]:
         if trials <= self.forget_trials:
             return accepted, trials
         return accepted * self.forget_trials / trials, self.forget_trials
 
-    def record_step(self, bucket: int, k: int, seconds: float) -> None:
-        """A decode step's time (the engine's, less any catch-up beyond one drafter forward)."""
+    def record_step(self, bucket: int, k: int, seconds: float, switch_s: float = 0.0) -> None:
+        """A decode step's time: `seconds` prices arm k (the engine's time less any catch-up beyond one
+        drafter forward); `switch_s` is that catch-up (the drafter feeding the tokens decoded plainly
+        since it was last used), paid by the decision to switch: counted as decode time, and as regret
+        when the step is a probe that does not turn the bucket to speculating (`choose`)."""
         self._add(self.step_s, (bucket, k), seconds)
-        self.elapsed_s += seconds
+        self.elapsed_s += seconds + switch_s
         if k > 0:
             plain = self.plain_time(bucket)
             if plain is not None:
@@ -389,6 +395,8 @@ class DraftController:
                              if gain > 1 + self.margin else self.plain_time(bucket) or 0.0)
                 done = self._tokens_per_row if k > 0 else 1.0
                 self.regret_s += max(0.0, seconds - done * per_token)
+                if k > 0:
+                    self._switch_due[bucket] = max(0.0, switch_s)
             self._explore_step = False
 
 

@@ -295,6 +295,7 @@ class RolloutEngine:
         for i, prompt in enumerate(prompts):
             self.tok[i, : len(prompt)] = torch.tensor(prompt, device=dev)
         result = self.result = RolloutResult([list(p) for p in prompts], lens, [None] * B, RolloutStats())
+        self.controller.new_rollout()
         t_start = time.perf_counter()
 
         W = max(lens) - 1                                # prefill all but each row's pending last token
@@ -370,12 +371,12 @@ class RolloutEngine:
                 st.verified_rows += n_active
                 st.accepted += int(n_acc[act].sum())
                 st.drafted += k * n_active
-            dt = self.clock() - t0
+            dt, switch = self.clock() - t0, 0.0
             if k > 0:
-                # a long catch-up (after plain steps) is the price of switching, not of this arm: count
-                # it as the steady state's one drafter forward
-                dt = dt - catchup + (self.controller.forward_time("draft", self.nb, 1) or catchup)
-            self.controller.record_step(self.nb, k, dt)
+                # a long catch-up (after plain steps) is the price of switching, not of this arm: the
+                # arm is priced with the steady state's one drafter forward, the rest is the switch's
+                switch = catchup - (self.controller.forward_time("draft", self.nb, 1) or catchup)
+            self.controller.record_step(self.nb, k, dt - switch, switch_s=switch)
             finished = done.nonzero()[:, 0].tolist()
             if finished:
                 ids = []
