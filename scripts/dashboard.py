@@ -153,8 +153,8 @@ ROWS: tuple[Row, ...] = (
               (Query(rate("spectrain_drafter_exchange_bytes_total", RANK, f"{PER_RANK}, direction"),
                      "{{job_name}} r{{rank}} {{direction}}"),), unit="Bps"),
         Panel("Rejected items and dropped frames",
-              "Items from peers refused by a check, by cause (any but not_ready, a start-up race: a broken or "
-              "hostile peer, see SpecTrainExchangeRejected), and frames dropped at the bandwidth cap or a full inbox.",
+              "Items from peers refused by a check, by cause (any cause but not_ready, a start-up race, means a "
+              "broken or hostile peer: SpecTrainExchangeRejected), and frames dropped at the bandwidth cap or a full inbox.",
               (Query(f"sum by ({PER_RANK}, cause) (increase(spectrain_drafter_exchange_rejected_total{{{RANK}}}"
                      "[$__rate_interval]))", "rejected {{job_name}} r{{rank}} {{cause}}"),
                Query(f"sum by ({PER_RANK}) (increase(spectrain_drafter_exchange_frames_dropped_total{{{RANK}}}"

@@ -1,7 +1,7 @@
 """What a decode step is worth when every row runs to its token budget (no EOS), in tokens or seconds.
 
 The batch ends with its last row, so a speculative step is worth how much sooner the batch can finish,
-not the mean tokens its rows commit. Two views, both from the i.i.d. acceptance model (each draft
+not the mean tokens its rows commit. Three views, from the i.i.d. acceptance model (each draft
 accepted with probability a until the first rejection: a row commits c tokens, P(c >= j) = a^(j-1),
 j <= k + 1):
 
