@@ -66,7 +66,7 @@ def test_four_drafters_combine_through_the_ring_and_survive_a_sigkill(tmp_path: 
         for r in (0, 2):            # first stages: the last stages' samples, through the fleet
             assert s[r]["samplesFromPeers"] > 0 and s[r]["samplesTrained"] > 0
         assert all(x["weightFramesSent"] == 0 for x in s), [x["weightFramesSent"] for x in s]
-        # (samples that came before a drafter's model existed are refused as not_ready: not the ring's)
+        # (weights that came before a drafter's model existed are refused as not_ready: not the ring's)
         assert not any(c.startswith("allreduce") for x in s for c in x["exchangeRejectedByCause"]), s
 
         pods[KILLED].proc.send_signal(signal.SIGKILL)       # type: ignore[union-attr]

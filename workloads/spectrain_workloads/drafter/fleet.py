@@ -158,8 +158,12 @@ class Fleet(StarWeights):
         if kind in WEIGHT_KINDS and not self.star:
             return "engine"
         if kind == "sample":
-            return ("role" if peer.peer_rank not in self.cfg.sample_sources
-                    else "not_ready" if self.target is None else None)
+            # Taken before this drafter is ready too (peers start in any order; a refused sample is
+            # lost): it waits in the bounded inbox and is checked when taken, once `expect` has run.
+            # Refused only when `expect` found no target to check samples against.
+            if peer.peer_rank not in self.cfg.sample_sources:
+                return "role"
+            return "not_ready" if self.table is not None and self.target is None else None
         if kind == "part":     # from the other stages of this replica, to its assembler only
             # Taken before this drafter is ready too: the other stages' drafters may start first, and
             # their parts would be lost; they wait in the bounded parts inbox, and each is checked
@@ -218,9 +222,12 @@ class Fleet(StarWeights):
         """Up to `limit` received sequences: (tokens [T], hidden [T, H] or None, step, from rank),
         each checked now (its MAC, drafter.checks): at the cap most arrivals leave a full inbox
         unread, so only what is used pays for the checks."""
+        target = self.target
+        if target is None:              # nothing to check them against yet: they wait
+            return []
+
         def parse(f: Frame, rank: int) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
-            assert self.target is not None
-            tokens, hidden = checks.sample_arrays(f.header, f.payload, self.target)
+            tokens, hidden = checks.sample_arrays(f.header, f.payload, target)
             return tokens, hidden, checks.field(f.header, "step", int), rank
         return self._take(self.inbox, limit, parse)
 

@@ -106,6 +106,28 @@ def test_last_stage_shares_samples_with_the_other_stages_of_its_replica() -> Non
             f.close()
 
 
+def test_samples_sent_before_a_drafter_is_ready_wait_for_it_and_are_checked_then() -> None:
+    """A last stage's sample that reaches a first stage before its drafter has its model is kept
+    (bounded) and checked when taken: a good one is trained on, one the target rejects is counted."""
+    ports = free_ports(2)             # pipeline 2: rank 1 (last stage) shares with rank 0
+    sender = _fleet(1, ports, pipeline=2, coordinator=1)
+    late = Fleet(FleetConfig(rank=0, world=2, pipeline=2, coordinator=1,
+                             addresses=[("127.0.0.1", p) for p in ports], key=KEY, job_uid="job"))
+    try:
+        tokens, hidden = torch.arange(8), torch.ones(8, 4, dtype=torch.bfloat16)
+        sender.share(tokens, hidden, step=5)
+        sender.share(torch.full((8,), TARGET.vocab), None, step=6)       # a token outside the vocabulary
+        wait_for(lambda: late.stats.snapshot().get("samples_received", 0) == 2, timeout=10)
+        assert late.take_samples(8) == [] and len(late.inbox) == 2       # no target to check against yet
+        late.expect(WEIGHTS, TARGET)
+        ((t, h, step, src),) = late.take_samples(8)
+        assert torch.equal(t, tokens) and h is not None and torch.equal(h, hidden) and (step, src) == (5, 1)
+        assert late.stats.rejected() == {"token": 1}, late.stats.rejected()
+    finally:
+        sender.close()
+        late.close()
+
+
 def test_inbox_is_bounded_and_keeps_the_newest() -> None:
     ports = free_ports(2)
     fleets = [_fleet(r, ports, pipeline=2, coordinator=1, inbox_bytes=3 * 64) for r in range(2)]
