@@ -111,7 +111,7 @@ def cell(target: Transformer, drafter: Transformer | None, prompts: list[list[in
 def main() -> None:
     args = parse_args(__doc__ or "")
     torch.set_num_threads(1)
-    new, reps = (32, 5) if args.quick else (64, 11)
+    new, reps = (32, 5) if args.quick else (64, 21)
     load_before = os.getloadavg()
     t_start = time.perf_counter()
     target0, drafter0, corpus, _ = trained_models()

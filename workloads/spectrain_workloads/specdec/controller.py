@@ -397,6 +397,7 @@ class DraftController:
                 self.regret_s += max(0.0, seconds - done * per_token)
                 if k > 0:
                     self._switch_due[bucket] = max(0.0, switch_s)
+                    self._plan.pop(bucket, None)    # its trials narrow the optimistic bound: replan now
             self._explore_step = False
 
 

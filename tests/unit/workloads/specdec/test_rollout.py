@@ -242,6 +242,28 @@ def test_controller_with_a_useless_drafter_costs_at_most_its_exploration_budget(
     assert all(k == 1 for k in ks[spec[3]:] if k)     # once a is known ~0, the cheapest probe
 
 
+def test_each_probe_narrows_the_next_choice() -> None:
+    """A useless drafter whose k = 1 step costs barely more than plain: optimism alone says probe. Each
+    probe's trials tighten the optimistic acceptance at once, so no probe runs that the estimates of
+    that moment rule out (a plan kept for replan_every steps would). Budget unbounded here."""
+    c = DraftController(max_draft=1, batch_threshold=32, strategy="Bandit", explore=1.0, stale_steps=10_000)
+    probes, unjustified = 0, []
+    c.record_step(1, 0, 1.0)
+    for step in range(400):
+        fresh_opt = c._replan(1, 1, None, store=False)[3]      # the optimistic gain from what is known now
+        k = c.choose(1, 1, True)
+        c.record_forward("target", 1, k + 1, 0.9)
+        if k:
+            probes += 1
+            if fresh_opt <= 1:
+                unjustified.append(step)
+            c.record_forward("draft", 1, 1, 0.1)
+            c.record_acceptance(torch.zeros(1, dtype=torch.long), k, 1)   # never accepted
+        c.record_step(1, k, 1.1 if k else 1.0)
+    assert unjustified == [], unjustified
+    assert 10 <= probes <= 30, probes          # until 2 sqrt(0.0475 / n) < 0.1 (S1 / S0 - 1): n ~ 19
+
+
 def test_a_probes_catch_up_is_regret_unless_the_probe_turns_the_bucket() -> None:
     # After a plain run the drafter first feeds the tokens it missed (here 3 s, three plain steps'
     # worth): part of the probe's price, unless the probe shows drafting pays.
