@@ -37,14 +37,13 @@ extra progress. Plain prices are fixed per rollout (`price`), so a rollout's val
 
 Exploration budget. A step that the estimates do not choose (a probe of k > 0 while plain wins, or a
 plain step while speculating, which keeps P current) is charged its regret: its time minus the time
-the chosen policy needs for the tokens the step committed (without EOS: for its realized value), plus
-a probe's catch-up (the drafter feeding every token decoded plainly since it last ran: after a long
-plain run about one plain step's time, more than the probe's own forwards) unless the probe turns the
-bucket to speculating. Such steps run only while the charged regret is <= `explore` x the time of
-every recorded step, so exploration costs at most that share of decode time plus one step. A probe
-runs when optimistic estimates (acceptance: mean + 2 standard errors; value ratio: plus its
-uncertainty, at most 1) say drafting could win, or when the bucket has not been probed for
-`stale_steps` steps (a drafter that improved is noticed even after its estimate settled at "useless").
+the chosen policy needs for the tokens it committed (without EOS: its realized value), plus a probe's
+catch-up (the drafter feeding the tokens decoded plainly since it last ran: after a long plain run
+about a plain step) unless the probe turns the bucket to speculating. Such steps run only while the
+charged regret is <= `explore` x the time of every recorded step: at most that share of decode time
+plus one step. A probe runs when optimistic estimates (acceptance: mean + 2 standard errors; value
+ratio: plus its uncertainty, at most 1) say drafting could win, or when the bucket has not been probed
+for `stale_steps` steps (a drafter that improved is noticed after its estimate settled at "useless").
 """
 
 from __future__ import annotations
@@ -350,9 +349,10 @@ class DraftController:
         plain = self.price(bucket)
         if not plain or not before:
             return
-        realized = (self.finish_time(before, bucket) - self.finish_time(after, bucket)) / plain
+        f_before = self.finish_time(before, bucket)
+        realized = (f_before - self.finish_time(after, bucket)) / plain
         self._tokens_per_row = realized         # what an exploring step is charged against
-        predicted = self.expected_value(k, self.alpha_for(bucket)[0], before, bucket)
+        predicted = self.expected_value(k, self.alpha_for(bucket)[0], before, bucket, f_before=f_before)
         real, pred = self.extra.get(bucket, (0.0, 0.0))
         real, pred = real + realized - 1, pred + predicted - 1
         if pred > self.forget_tokens:
@@ -362,12 +362,13 @@ class DraftController:
         if plan is not None and abs(self.value_ratio(bucket) - plan[5]) > 0.05:
             del self._plan[bucket]
 
-    def expected_value(self, k: int, a: float, before: list[int], bucket: int, samples: int = 4) -> float:
+    def expected_value(self, k: int, a: float, before: list[int], bucket: int, samples: int = 4,
+                       f_before: float | None = None) -> float:
         """The i.i.d. model's value of a k-draft step from `before`, in plain steps (`value.expected_value`)."""
         plain = self.price(bucket)
         if not plain or not before:
             return 1.0
-        return value.expected_value(k, a, before, bucket, self.price, self._rng.random, samples) / plain
+        return value.expected_value(k, a, before, bucket, self.price, self._rng.random, samples, f_before) / plain
 
     def _forget(self, accepted: float, trials: float) -> tuple[float, float]:
         if trials <= self.forget_trials:

@@ -59,11 +59,12 @@ def finish_time(left: list[int], bucket: int, price: Callable[[int], float]) -> 
 
 
 def expected_value(k: int, a: float, before: list[int], bucket: int, price: Callable[[int], float],
-                   rand: Callable[[], float], samples: int = 4) -> float:
+                   rand: Callable[[], float], samples: int = 4, f_before: float | None = None) -> float:
     """E[F(before) - F(after)] in seconds for a step with k drafts from `before` (tokens to go per
     active row), every row committing i.i.d. c tokens (at most its tokens to go): a Monte Carlo over
-    `samples` draws of `rand` (uniform in [0, 1); seeded by the caller)."""
-    f0, total = finish_time(before, bucket, price), 0.0
+    `samples` draws of `rand` (uniform in [0, 1); seeded by the caller). f_before: F(before), if known."""
+    f0 = finish_time(before, bucket, price) if f_before is None else f_before
+    total = 0.0
     for _ in range(samples):
         after = []
         for x in before:
