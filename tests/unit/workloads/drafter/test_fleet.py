@@ -108,7 +108,8 @@ def test_last_stage_shares_samples_with_the_other_stages_of_its_replica() -> Non
 
 def test_samples_sent_before_a_drafter_is_ready_wait_for_it_and_are_checked_then() -> None:
     """A last stage's sample that reaches a first stage before its drafter has its model is kept
-    (bounded) and checked when taken: a good one is trained on, one the target rejects is counted."""
+    (bounded) and checked when taken: a good one is trained on, one the target rejects is counted. A
+    ready drafter with no target to check against refuses samples as not_ready."""
     ports = free_ports(2)             # pipeline 2: rank 1 (last stage) shares with rank 0
     sender = _fleet(1, ports, pipeline=2, coordinator=1)
     late = Fleet(FleetConfig(rank=0, world=2, pipeline=2, coordinator=1,
@@ -126,6 +127,18 @@ def test_samples_sent_before_a_drafter_is_ready_wait_for_it_and_are_checked_then
     finally:
         sender.close()
         late.close()
+    ports = free_ports(2)             # ready, but with no target (no spec, no run_dir): refused, counted
+    sender = _fleet(1, ports, pipeline=2, coordinator=1)
+    blind = Fleet(FleetConfig(rank=0, world=2, pipeline=2, coordinator=1,
+                              addresses=[("127.0.0.1", p) for p in ports], key=KEY, job_uid="job"))
+    blind.expect(WEIGHTS)
+    try:
+        sender.share(torch.arange(8), None, step=7)
+        wait_for(lambda: blind.stats.rejected().get("not_ready", 0) == 1, timeout=10)
+        assert len(blind.inbox) == 0 and blind.take_samples(8) == []
+    finally:
+        sender.close()
+        blind.close()
 
 
 def test_inbox_is_bounded_and_keeps_the_newest() -> None:
