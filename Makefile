@@ -17,7 +17,7 @@ BENCH_ALIASES := $(subst _,-,$(foreach b,$(BENCHES),$(if $(findstring _,$(b)),$(
 
 .DEFAULT_GOAL := help
 .PHONY: help install test test-unit test-integration test-e2e test-serving lint typecheck verify lock demo demo-rl demo-hf \
-        kube-binaries kube-binaries-legacy prometheus-binaries crds docs clean gpu-check gate-replay $(BENCHES:%=bench-%) \
+        kube-binaries kube-binaries-legacy prometheus-binaries crds docs clean gpu-check gate-replay images $(BENCHES:%=bench-%) \
         $(BENCH_ALIASES:%=bench-%)
 
 help: ## list the targets
@@ -70,6 +70,10 @@ typecheck: $(STAMP) ## mypy on the operator, the API package, the ring, the draf
 lock: $(STAMP) ## regenerate the images' hashed lock files (operator/ and workloads/requirements.lock; needs PyPI)
 	$(PY) scripts/lock.py
 
+IMAGE ?= all
+images: ## build the operator and CPU workloads images without Docker (root; Debian mmdebstrap + buildah; IMAGE=operator|workloads|all) -> ~/.cache/spectrain/images/*.tar
+	bash scripts/images/build.sh $(IMAGE)
+
 verify: $(STAMP) ## regenerate derived files (helm CRD copy, docs) and fail on a diff or a stale lock file
 	$(PY) scripts/lock.py --check
 	$(PY) scripts/gen.py
@@ -89,7 +93,7 @@ demo-hf: $(STAMP) ## a tiny random HF Llama built offline, trained by examples/h
 	rm -rf runs/demo-hf $(DEMO_HF_MODEL)
 	$(PY) -m spectrain_workloads.hf.tiny $(DEMO_HF_MODEL) --layers 8
 	$(VENV)/bin/spectrain run examples/hf-tiny.yaml --run-dir runs/demo-hf --report
-	$(VENV)/bin/spectrain generate --model runs/demo-hf/run/target/hf --drafter runs/demo-hf/run/drafter \
+	$(VENV)/bin/spectrain generate --model runs/demo-hf/pvc/hf-tiny-run/target/hf --drafter runs/demo-hf/pvc/hf-tiny-run/drafter \
 	  --prompt "def main(argv):" --max-new-tokens 48 --compare --repeats 21
 
 RUN ?= runs/demo

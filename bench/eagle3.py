@@ -69,6 +69,7 @@ import yaml
 
 from bench.common import RESULTS_DIR, median, parse_args, print_table, write_results
 from spectrain_api import rundir
+from spectrain_operator.local_layout import run_volume
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE_DIR = RESULTS_DIR / "cache"
@@ -339,7 +340,7 @@ def demo_job(arch: str | None, steps: int, root: Path) -> dict[str, Any]:
     if res.returncode != 0:
         raise SystemExit(f"demo run ({arch or 'drafter off'}) failed ({res.returncode}):\n"
                          f"{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
-    data = root / "run" / "run"
+    data = run_volume(root / "run")
     by_step: dict[int, float] = {}
     for f in sorted((data / "metrics").glob("target-rank-*.jsonl")):
         for rec in map(json.loads, f.open()):

@@ -52,6 +52,7 @@ import yaml
 
 from bench.common import median, parse_args, print_table, write_results
 from spectrain_api import rundir
+from spectrain_operator.local_layout import run_volume
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("combined", "single", "off")
@@ -84,7 +85,7 @@ def run(variant: str, steps: int, root: Path) -> dict[str, Any]:
     wall = time.monotonic() - t0
     if res.returncode != 0:
         raise SystemExit(f"{variant} run failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
-    data = run_dir / "run" / "run"
+    data = run_volume(run_dir / "run")
     steps_s = [json.loads(line)["step_time_s"] for line in (data / "metrics" / "target-rank-0.jsonl").open()][2:]
     out: dict[str, Any] = {"variant": variant, "wall_s": wall, "step_s": median(steps_s), "data": data}
     if variant != "off":

@@ -34,6 +34,7 @@ from bench.combine import grads, new_drafter, step, trainable
 from bench.common import print_table, write_results
 from bench.fleet import acceptance, final_target, heldout
 from spectrain_api import rundir
+from spectrain_operator.local_layout import run_volume
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +49,7 @@ def run_demo(root: Path, drafter_lr: float | None) -> tuple[Path, int]:
                           str(root / "run")], cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"demo run failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
-    return root / "run" / "run", int(job["spec"]["target"]["model"]["overrides"]["n_layers"])
+    return run_volume(root / "run"), int(job["spec"]["target"]["model"]["overrides"]["n_layers"])
 
 
 def in_run_acceptance(data: Path) -> list[float]:

@@ -33,7 +33,8 @@ QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numk
 REL_PATH_SEGMENT = r"([^/.][^/]*|\.|\.[^./][^/]*|\.\.[^/]+)"
 REL_PATH_PATTERN = rf"^{REL_PATH_SEGMENT}(/{REL_PATH_SEGMENT})*$"
 CONDITION_TYPES = ["Created", "Queued", "Running", "Restarting", "Suspended", "Succeeded", "Failed",
-                   "DrafterActive", "DrafterDegraded", "SpecInvalid", "CheckpointEphemeral"]
+                   "DrafterActive", "DrafterDegraded", "DrafterNeverTrained", "SpecInvalid", "CheckpointEphemeral",
+                   "ReconcileError"]
 
 
 def s(desc: str, **kw: Any) -> dict[str, Any]:
@@ -152,6 +153,14 @@ def pod_security_context() -> dict[str, Any]:
         "supplementalGroups": a("Extra GIDs of every container's first process.",
                                 i("A GID.", minimum=0, maximum=2147483647), maxItems=64),
     }, rules=identity_rules(path))
+
+
+def _effective_uid(container_sc: str) -> str:
+    """CEL: the UID a container runs as: its securityContext's runAsUser, else the pod's, else the
+    image's user (access.POD_SECURITY_DEFAULTS)."""
+    pod = (f"(has(self.podSecurityContext) && has(self.podSecurityContext.runAsUser) ? "
+           f"self.podSecurityContext.runAsUser : {C.IMAGE_UID})")
+    return f"(has({container_sc}) && has({container_sc}.runAsUser) ? {container_sc}.runAsUser : {pod})"
 
 
 def container_security_context(path: str) -> dict[str, Any]:
@@ -471,6 +480,18 @@ def spec_schema() -> dict[str, Any]:
         rule("self.gpuSharing.mode != 'SingleContainer' || !has(self.drafter.securityContext)",
              "spec.drafter.securityContext: in gpuSharing mode SingleContainer the drafter runs inside the target "
              "container, under spec.target.securityContext; remove it"),
+        # The target creates the ring and the shared weight files for its own user only (mode 0600):
+        # a drafter sidecar under another UID can open neither and waits (NoRing) for the whole run.
+        # SingleContainer has no sidecar, PodLocalMPS runs every container as mps.runAsUser; a target
+        # as root is refused by its own rule (one error, not two).
+        rule("self.gpuSharing.mode == 'SingleContainer' || self.gpuSharing.mode == 'PodLocalMPS' || "
+             f"{_effective_uid('self.target.securityContext')} == 0 || "
+             f"{_effective_uid('self.drafter.securityContext')} == {_effective_uid('self.target.securityContext')}",
+             "spec.drafter.securityContext.runAsUser: the drafter must run as the target's UID (spec.target."
+             "securityContext.runAsUser, else spec.podSecurityContext.runAsUser, else "
+             f"{C.IMAGE_UID}): the target creates the ring and the shared weight files private to its user "
+             "(mode 0600), so a drafter under another UID never attaches to them (state NoRing) and trains "
+             "nothing; remove spec.drafter.securityContext.runAsUser, or set it equal to the target's UID"),
     ])
 
 
@@ -518,12 +539,14 @@ def status_schema() -> dict[str, Any]:
         "drafterFailures": i("Most drafter failures seen on one rank, peer-frame exits not included.", minimum=0),
         "drafterPeerFailures": i(f"Drafter exits with code {C.EXIT_PEER_FRAME} (a peer's frame ended the "
                                  "drafter): counted apart, never toward drafter.maxFailures.", minimum=0),
-        "drafterPeerFrames": o("Bookkeeping of drafterPeerFailures for the current pods, by node index: how "
-                               "many peer-frame exits were counted on that rank and the last one's finishedAt "
-                               "(restartCount minus count = the rank's own failures).",
+        "drafterPeerFrames": o("Bookkeeping of the drafters' terminations for the current pods, by node index: "
+                               "how many peer-frame exits were counted on that rank and which termination was "
+                               "seen last (terminations (restartCount, plus a crash not yet restarted) minus "
+                               "count = the rank's own failures).",
                                additionalProperties=o("One rank.", {
                                    "count": i("Peer-frame exits counted on the rank.", minimum=0),
-                                   "last": s("finishedAt of the last one counted.", maxLength=64),
+                                   "last": s("The last failure seen (own or peer-frame): its finishedAt, else its "
+                                             "containerID; one seen again is not counted again.", maxLength=64),
                                }), maxProperties=100000),
         "lastFailure": s("Last target failure, one line.", maxLength=32768),
         "startTime": s("When the pods of this run were first created.", format="date-time", nullable=True),

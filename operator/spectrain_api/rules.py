@@ -67,6 +67,7 @@ def check_spec(cfg: JobConfig) -> list[str]:
     if not d.exchange.combine_every_seconds >= 1:
         out.append(f"spec.drafter.exchange.combineEverySeconds: must be >= 1, got {d.exchange.combine_every_seconds}")
     out += rundir.export_path_errors(d.export.claim_name, d.export.path)
+    out += shared_volume_errors(cfg)
     out += _data_source_errors(t.data.source)
     if par.data < 1 or par.pipeline < 1 or par.microbatches < 1:
         return out + [f"spec.target.parallelism: data ({par.data}), pipeline ({par.pipeline}) and microbatches "
@@ -93,6 +94,31 @@ def check_spec(cfg: JobConfig) -> list[str]:
                    f"(preset {t.model.preset or DEFAULT_PRESET}); lower seqLen or set "
                    "spec.target.model.overrides.max_seq_len")
     return out
+
+
+def shared_volume_errors(cfg: JobConfig) -> list[str]:
+    """Every drafter reads the target's embedding (written by pipeline stage 0), LM head and model
+    config (the last stage) from the run volume's target/shared/. Without
+    spec.target.checkpoint.claimName that volume is an emptyDir, private to each pod, so a pod that
+    holds neither stage 0 nor the last one never gets them: its drafter would wait for the whole run
+    and train nothing. Such a job is refused: one shared claim, or whole pipelines inside a pod."""
+    t, par = cfg.target, cfg.target.parallelism
+    P, procs = par.pipeline, t.procs_per_node
+    if not cfg.drafter.enabled or t.checkpoint.claim_name or P <= 1 or procs < 1 or t.nodes <= 1:
+        return []
+    # Global rank r runs stage r % P (topology.py); pod n holds ranks [n procs, (n + 1) procs).
+    # The stage pattern repeats every P pods, so P pods tell for all.
+    lacking = [n for n in range(min(t.nodes, P))
+               if not {0, P - 1} <= {r % P for r in range(n * procs, (n + 1) * procs)}]
+    if not lacking:
+        return []
+    return [f"spec.target.checkpoint.claimName: required while the drafter is enabled and the pipeline's stages "
+            f"span pods (pipeline {P} over {t.nodes} pods of {procs} process(es)): every drafter reads the "
+            f"target's embedding (stage 0) and LM head (stage {P - 1}) from the run volume, which without a claim "
+            f"is an emptyDir of each pod, so the drafter of pod {lacking[0]} would never get them and train "
+            f"nothing. Set spec.target.checkpoint.claimName to a ReadWriteMany PersistentVolumeClaim that every "
+            f"pod mounts, or keep each pipeline inside one pod (procsPerNode a multiple of {P}), or set "
+            f"spec.drafter.enabled: false"]
 
 
 def _eagle3_field_errors(cfg: JobConfig) -> list[str]:

@@ -43,7 +43,9 @@ The workloads write their fatal error line as the termination message
 there): ``PodFault.message`` carries it.
 Classification is stateless: a drafter fault stays visible in ``lastState`` after the sidecar
 restarts, so the caller sees it on every pass; ``Ignore`` is idempotent and ``restarts`` tells
-the passes apart.
+the passes apart. ``restarts`` counts the terminations so far (``terminations``): the kubelet
+raises restartCount only when it starts the container again, after a back-off of up to 5 min,
+so a crash not yet restarted is added to it.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class PodFault:
     exit_code: int
     reason: str
     message: str
-    restarts: int = 0  # the culprit container's restartCount (drafter faults: crashes so far)
+    restarts: int = 0  # the culprit container's terminations so far (`terminations`; drafter faults: own failures)
     caused_by_drafter: bool = False  # MPS loss the drafter triggered
 
 
@@ -105,6 +107,38 @@ class _Exit:
     restarts: int
 
 
+def unrestarted(status: dict | None) -> bool:
+    """Whether the container's latest termination is not in its restartCount yet. The kubelet
+    raises restartCount only when it starts the container again (after a back-off of up to 5 min);
+    until then the crash shows as state.terminated, or as state.waiting CrashLoopBackOff with the
+    crash in lastState.terminated. (Other waiting reasons after a crash, ContainerCreating say,
+    may already belong to the next attempt, whose restartCount counts it.)"""
+    state = (status or {}).get("state")
+    if not isinstance(state, dict):
+        return False
+    if isinstance(state.get("terminated"), dict) and state["terminated"]:
+        return True
+    waiting = state.get("waiting")
+    last = (status or {}).get("lastState")
+    return (isinstance(waiting, dict) and waiting.get("reason") == "CrashLoopBackOff"
+            and isinstance(last, dict) and isinstance(last.get("terminated"), dict) and bool(last["terminated"]))
+
+
+def terminations(status: dict | None) -> int:
+    """How many times the container has terminated: restartCount, plus its latest termination while
+    that one is not restarted yet (`unrestarted`)."""
+    restarts = (status or {}).get("restartCount")
+    count = restarts if isinstance(restarts, int) and not isinstance(restarts, bool) and restarts >= 0 else 0
+    return count + (1 if unrestarted(status) else 0)
+
+
+def termination_id(term: dict, restarts: int) -> str:
+    """What tells one termination of a container from another across passes (the same one is seen
+    in state.terminated, then in lastState): its finishedAt, else its containerID (of the dead
+    container), else the restartCount it was seen with; at most 64 characters."""
+    return str(term.get("finishedAt") or term.get("containerID") or f"restart-{restarts}")[-64:]
+
+
 def _last_exit(status: dict | None) -> _Exit | None:
     """The container's most recent termination: the current state, else lastState."""
     term = last_termination(status)
@@ -112,7 +146,7 @@ def _last_exit(status: dict | None) -> _Exit | None:
         return None
     return _Exit(int(term.get("exitCode", EXIT_UNKNOWN)), str(term.get("reason") or ""),
                  str(term.get("message") or ""), parse_time(term.get("finishedAt")),
-                 int(status.get("restartCount") or 0))
+                 terminations(status))
 
 
 def _is_gpu_fault(e: _Exit) -> bool:
@@ -130,6 +164,19 @@ def _shutdown(e: _Exit, t: _Exit | None) -> bool:
     if e.finished > t.finished:
         return True
     return e.finished == t.finished and not _is_gpu_fault(e)
+
+
+def _target_exit(pod: dict) -> _Exit | None:
+    """The target's termination while it is terminated (None while it runs or has not started)."""
+    t_status = container_status(pod, TARGET)
+    return _last_exit(t_status) if t_status is not None and (t_status.get("state") or {}).get("terminated") else None
+
+
+def stopped_at_shutdown(pod: dict, sidecar: dict | None) -> bool:
+    """Whether the sidecar's latest termination is the kubelet stopping it after the target ended
+    (pod shutdown, `_shutdown`): no failure of its own."""
+    e = _last_exit(sidecar)
+    return e is not None and _shutdown(e, _target_exit(pod))
 
 
 def _within(a: datetime | None, b: datetime | None, window_s: float) -> bool:
@@ -190,11 +237,7 @@ def classify_pod(pod: dict) -> PodFault | None:
     if is_deleted(pod):
         return None
     status = pod.get("status") or {}
-    t_status = container_status(pod, TARGET)
-    t = None
-    if t_status is not None:
-        term = (t_status.get("state") or {}).get("terminated")
-        t = _last_exit(t_status) if term else None
+    t = _target_exit(pod)
     d = _last_exit(container_status(pod, DRAFTER, init=True))
     m = _last_exit(container_status(pod, MPS_DAEMON, init=True))
 
@@ -317,7 +360,7 @@ def action_for(fault: PodFault, job: dict) -> str:
       otherwise the first rule for the drafter, applied in place (FailJob, RestartWithoutDrafter ->
       DisableDrafter; RestartJob -> RestartJobIgnoreMax); without a rule, Ignore while
       `restarts < drafter.maxFailures`, then DisableDrafter. `fault.restarts` must count the
-      drafter's own failures (policy/drafter.py subtracts the peer-frame exits from restartCount). Exit 2
+      drafter's own failures (policy/drafter.py subtracts the peer-frame exits from `terminations`). Exit 2
       included: a drafter's configuration error costs the job its drafter, never the job.
     - MPS losses caused by the drafter: the first rule for the drafter matching its exit code,
       made drafter-safe (so a rule can say RestartWithoutDrafter); default RestartJob.

@@ -253,6 +253,8 @@ def run_main(args: argparse.Namespace) -> int:
     code = run_job(args.file, run_dir, resume=args.resume or getattr(args, "baseline", False),
                    live=live)
     print(f"job finished with exit code {code} in {time.monotonic() - t0:.0f} s")
+    volumes = json.loads((run_dir / "layout.json").read_text())["data_dirs"]
+    print(f"run volume{'s' if len(volumes) > 1 else ''}: {', '.join(volumes)}")
     if code == 0 and getattr(args, "report", False):
         from spectrain_workloads import report  # lazy: needs matplotlib
 

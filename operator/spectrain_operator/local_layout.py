@@ -2,7 +2,9 @@
 
 `plan` validates the manifest, asks the builders for the children (the single source of the pod
 layout), and gives each pod's containers the same env, command and volumes: memory-backed
-emptyDirs become directories on a tmpfs (/dev/shm), other volumes directories under the run dir,
+emptyDirs become directories on a tmpfs (/dev/shm), other emptyDirs a directory of their pod
+(`<run-dir>/pods/<pod>/<volume>`: private, as a kubelet makes them), claims one directory every pod
+that mounts them shares (`<run-dir>/pvc/<claim>`),
 the ConfigMap becomes files, the rendezvous and the drafters' ports go to loopback (free ports, a
 block per pod). A subPath mount is its directory inside the volume's; `readOnly` is not enforced
 (no mount namespaces: the drafter's read-only view of the run volume exists only in a cluster).
@@ -175,6 +177,17 @@ def run_identity(run_dir: Path) -> str:
     return uid_file.read_text().strip()
 
 
+def run_volume(run_dir: Path) -> Path:
+    """The host directory of a local run's run volume (its claim's, or its only pod's emptyDir), from
+    the layout `plan` recorded. A job whose pods each have their own emptyDir has several: refused,
+    naming them."""
+    dirs = json.loads((run_dir / "layout.json").read_text())["data_dirs"]
+    if len(dirs) != 1:
+        raise SystemExit(f"{run_dir}: {len(dirs)} run volumes (each pod has an emptyDir of its own: "
+                         f"{', '.join(dirs)}); set spec.target.checkpoint.claimName for one shared volume")
+    return Path(dirs[0])
+
+
 def write_control_file(path: Path, annotations: dict[str, str]) -> None:
     """A pod's annotations as the kubelet's downward API writes them (one `key="value"` line each,
     sorted, Go-quoted), replaced atomically so a reader never sees half a file."""
@@ -193,8 +206,8 @@ def _volume_dirs(pod: dict[str, Any], configmaps: dict[str, dict[str, Any]], run
             if (vol["emptyDir"] or {}).get("medium") == "Memory":
                 d = shm_dir / name / vname      # tmpfs, private to the pod (the ring lives here)
             else:
-                # One disk for all pods of a machine: the run volume is shared, like a PVC would be.
-                d = run_dir / vname
+                # Private to the pod, as a kubelet makes it: only a claim is shared between pods.
+                d = run_dir / "pods" / name / vname
         elif "persistentVolumeClaim" in vol:
             # A claim is shared by every pod that mounts it, as on a cluster.
             d = run_dir / "pvc" / vol["persistentVolumeClaim"]["claimName"]

@@ -6,8 +6,8 @@ what to do, executes the plan through kube.Kube (children before pods, create-or
 Events, and writes the status once, only when it changed. Passes for one job never overlap:
 triggers that arrive while a pass runs are coalesced into one more pass.
 
-Requeues (backoff, deadlines, TTL, retries after an API error (full-jitter exponential backoff
-per job, at least the server's Retry-After: ratelimit.py), and the periodic resync every
+Requeues (backoff, deadlines, TTL, retries after an API error or a pass that raised (full-jitter
+exponential backoff per job, at least the server's Retry-After: ratelimit.py), and the periodic resync every
 `resync_s` that replaces kopf timers) live in one timer thread here rather than in kopf: kopf
 puts a finalizer on every object that has a timer (one more write per job, and jobs that cannot
 be deleted while no operator runs), and its create/update handlers keep a diff base in an
@@ -41,6 +41,7 @@ Obj = dict[str, Any]
 log = logging.getLogger("spectrain.reconciler")
 
 _VALIDATION_CACHE_MAX = 4096
+_ERROR_MESSAGE_CHARS = 1000   # condition ReconcileError's message: one line, bounded
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -138,8 +139,10 @@ class Reconciler:
                 return
 
     def handle(self, namespace: str, name: str, fresh: Obj | None = None) -> None:
-        """`trigger`, for kopf handlers and timers: an error is logged and the pass requeued
-        (soon after a transient API error, at the next resync otherwise); nothing raises."""
+        """`trigger`, for kopf handlers and timers: an error is logged and the pass requeued (after
+        a transient API error or a pass that raised: soon, the pause growing per failure; after a
+        request the API server refused: at the next resync); nothing raises. A pass that raised is
+        also reported on the job (condition and Event ReconcileError, `_report_error`)."""
         if not self.active:
             return   # another replica leads; this one resyncs every job when it takes over
         key = (namespace, name)
@@ -156,9 +159,40 @@ class Reconciler:
             # retrying at once will not help; the resync tries again.
             log.error("reconcile of %s/%s: %s", namespace, name, exc)
             self.requeue(namespace, name, self.resync_s)
+        except Exception as exc:
+            # A bug, or a broken install (the shipped image missing a module): every pass may fail
+            # the same way, so retry soon with a growing pause and say so on the job itself.
+            failures = self._failures[key] = self._failures.get(key, 0) + 1
+            delay = self.retry.delay(failures - 1)
+            log.exception("reconcile of %s/%s failed; retrying in %.1f s", namespace, name, delay)
+            self._report_error(namespace, name, exc)
+            self.requeue(namespace, name, delay)
+
+    def _report_error(self, namespace: str, name: str, exc: Exception) -> None:
+        """Condition ReconcileError on the job (reason: the exception's type; message: its first
+        line) and, when it is new or says something new, a Warning Event of that reason. The next
+        pass that succeeds clears it (status.decide). Best effort: what failed may be the API."""
+        reason = type(exc).__name__
+        line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), reason)
+        text = (f"the operator failed to reconcile this job ({reason}: {line}); it retries with a "
+                "growing pause, see its log")[:_ERROR_MESSAGE_CHARS]
+        try:
+            job = self.kube.get_job(namespace, name)
+            if job is None or (job.get("metadata") or {}).get("deletionTimestamp"):
+                return
+            old: Obj = job["status"] if isinstance(job.get("status"), dict) else {}
+            conds = statusmod.Conditions(old.get("conditions"), self.clock(),
+                                         int((job.get("metadata") or {}).get("generation") or 0))
+            known = conds.items.get(statusmod.RECONCILE_ERROR, {})
+            if conds.is_true(statusmod.RECONCILE_ERROR) and known.get("reason") == reason \
+                    and known.get("message") == text:
+                return
+            conds.set(statusmod.RECONCILE_ERROR, True, reason, text)
+            self.kube.patch_status(namespace, name, {"conditions": conds.as_list()})
+            log.info("%s/%s %s: %s", namespace, name, statusmod.RECONCILE_ERROR, text[:200])
+            self.kube.post_event(job, statusmod.Event("Warning", statusmod.RECONCILE_ERROR, text))
         except Exception:
-            log.exception("reconcile of %s/%s failed", namespace, name)
-            self.requeue(namespace, name, self.resync_s)
+            log.warning("could not report the failed reconcile on %s/%s", namespace, name, exc_info=True)
 
     def requeue(self, namespace: str, name: str, seconds: float) -> None:
         """Reconcile the job again in `seconds` (or earlier, if an earlier requeue is pending)."""
@@ -337,6 +371,7 @@ class Reconciler:
         conds = statusmod.Conditions(old.get("conditions"), self.clock(), int(job["metadata"].get("generation") or 0))
         conds.set("SpecInvalid", True, "InvalidSpec", "; ".join(errors[:8]))
         conds.set("Failed", True, "SpecInvalid", "; ".join(errors[:8]))
+        conds.clear(statusmod.RECONCILE_ERROR, "Reconciled", "the operator's last pass succeeded")
         new = {"phase": "Failed", "observedGeneration": int(job["metadata"].get("generation") or 0),
                "conditions": conds.as_list(), "completionTime": old.get("completionTime") or stamp}
         self._write_status(job, new, old, [statusmod.Event("Warning", "Failed", "; ".join(errors[:8]))]

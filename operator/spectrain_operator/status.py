@@ -45,8 +45,12 @@ from spectrain_operator.policy.plan import TERMINAL, Conditions, Event, Outcome,
 from spectrain_operator.policy.restart import MAX_BACKOFF_S, backoff_seconds
 
 # What kube.py, reconciler.py and the tests take from here.
-__all__ = ["MAX_BACKOFF_S", "PHASES", "TERMINAL", "Conditions", "Event", "Plan", "backoff_seconds", "decide",
-           "fmt_time"]
+__all__ = ["MAX_BACKOFF_S", "PHASES", "RECONCILE_ERROR", "TERMINAL", "Conditions", "Event", "Plan",
+           "backoff_seconds", "decide", "fmt_time"]
+
+# Condition (and Warning Event) of a pass that raised (reconciler.py); a pass that gets as far as a
+# decision clears it.
+RECONCILE_ERROR = "ReconcileError"
 
 
 def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | None = None) -> Plan:
@@ -58,7 +62,9 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
     drafter.carry_disabled(ctx)
     progress.mark_queued(ctx, outcome.phase)
     progress.summarize(ctx)
+    drafter.never_trained(ctx, outcome.phase)
     ctx.status["phase"] = outcome.phase
+    ctx.conds.clear(RECONCILE_ERROR, "Reconciled", "the operator's last pass succeeded")
     ctx.status["conditions"] = ctx.conds.as_list()
     lifecycle.announce(ctx, outcome)
     lifecycle.expire(ctx, outcome.phase)

@@ -96,7 +96,7 @@ class Env:
     # ------------------------------------------------------------ jobs
     def manifest(self, name: str, spec: dict[str, Any] | None = None) -> dict[str, Any]:
         base: dict[str, Any] = {"target": {"image": "img:1", "nodes": 2, "steps": 10,
-                                           "parallelism": {"data": 1, "pipeline": 2, "microbatches": 2}},
+                                           "parallelism": {"data": 2, "pipeline": 1, "microbatches": 2}},
                                 "runPolicy": {"backoffSeconds": 1}}
         for key, value in (spec or {}).items():
             if isinstance(value, dict) and isinstance(base.get(key), dict):

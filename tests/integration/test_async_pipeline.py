@@ -40,7 +40,7 @@ def _cfg(source: str, steps: int = STEPS) -> JobConfig:
         model=ModelSpec(preset="debug", overrides={"dim": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 32}),
         data=DataSpec(source=source, seq_len=16, batch_size=4),
         optimizer=OptimizerSpec(name="BasisRotation", lr=3e-3, basis_rotation=BasisRotationSpec(refresh_every=3)),
-        steps=steps, checkpoint=CheckpointSpec(every_steps=5, keep=2)))
+        steps=steps, checkpoint=CheckpointSpec(every_steps=5, keep=2, claim_name="run")))
 
 
 def _free_port() -> int:

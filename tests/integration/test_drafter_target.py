@@ -54,7 +54,8 @@ def _config(path: Path) -> Path:
         "parallelism": {"data": 1, "pipeline": 2, "microbatches": 4, "schedule": "1F1B"},
         "model": {"preset": "debug", "overrides": {"n_layers": N_LAYERS}},
         "data": {"source": "builtin:python-stdlib", "seqLen": SEQ, "batchSize": 16},
-        "optimizer": {"name": "AdamW", "lr": 0.003}, "steps": STEPS, "checkpoint": {"everySteps": STEPS, "keep": 2}},
+        "optimizer": {"name": "AdamW", "lr": 0.003}, "steps": STEPS,
+        "checkpoint": {"everySteps": STEPS, "keep": 2, "claimName": "run"}},
         "drafter": {"activation": {"policy": "IdleOnly", "safetyMarginMs": 1},
                     "exchange": {"combineEverySeconds": 1}}}}))
     return path

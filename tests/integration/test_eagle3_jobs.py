@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from spectrain_api import rundir
+from spectrain_operator.local_layout import run_volume
 from spectrain_workloads.hf.tiny import build_model
 
 pytestmark = pytest.mark.integration
@@ -41,7 +42,7 @@ def job(target: dict[str, Any], *, pipeline: int, steps: int, drafter: dict[str,
                         {"name": "SPECTRAIN_DATA_MAX_BYTES", "value": str(1 << 19)}],
                 "parallelism": {"data": 1, "pipeline": pipeline, "microbatches": 4, "schedule": "1F1B"},
                 "model": target, "data": {"source": "builtin:python-stdlib", "seqLen": 64, "batchSize": 8},
-                "optimizer": {"lr": 3e-3}, "steps": steps, "checkpoint": {"everySteps": steps}},
+                "optimizer": {"lr": 3e-3}, "steps": steps, "checkpoint": {"everySteps": steps, "claimName": "e3-run"}},
                 "drafter": {"preset": "debug", "activation": {"policy": "Always"}, "optimizer": {"lr": 4e-3},
                             "exchange": {"combineEverySeconds": 1}, **(drafter or {})},
                 "gpuSharing": {"mode": "None"}}}
@@ -52,7 +53,7 @@ def run_job(tmp: Path, manifest: dict[str, Any]) -> Path:
     res = subprocess.run([*SPECTRAIN, "run", str(tmp / "job.yaml"), "--run-dir", str(tmp / "run"), "-q"], cwd=ROOT,
                          capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return tmp / "run" / "run"
+    return run_volume(tmp / "run")
 
 
 def summaries(run: Path) -> dict[int, dict[str, Any]]:

@@ -35,7 +35,8 @@ WORLD, COORDINATOR, UID = 2, 1, "attacked-job"
 
 def _pods(root: Path, key: bytes, ports: list[int], metrics_ports: list[int]) -> list[Pod]:
     (root / "fleet.key").write_text(key.hex())
-    target = {"nodes": WORLD, "parallelism": {"data": 1, "pipeline": 2, "microbatches": 2}}
+    target = {"nodes": WORLD, "parallelism": {"data": 1, "pipeline": 2, "microbatches": 2},
+              "checkpoint": {"claimName": "run"}}
     drafter = {"activation": {"safetyMarginMs": 1}, "exchange": {"combineEverySeconds": 1}}
     return [Pod(root / f"pod-{r}", drafter=drafter, target=target,
                 settings={"checkpoint_every_s": 1.0, "verify_every_s": 1.0, "samples_per_step": 4},

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from spectrain_api import rundir
+from spectrain_operator.local_layout import run_volume
 from spectrain_workloads.hf.tiny import build_model
 
 pytestmark = pytest.mark.integration
@@ -58,10 +59,10 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     res = subprocess.run([*SPECTRAIN, "run", str(manifest), "--run-dir", str(run_dir), "-q"], cwd=ROOT,
                          capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    harvested = [json.loads(rundir.drafter_summary(run_dir / "run", r).read_text())["harvestedSeconds"]
+    harvested = [json.loads(rundir.drafter_summary(run_volume(run_dir), r).read_text())["harvestedSeconds"]
                  for r in (0, 1)]
     assert sum(harvested) > 0, harvested     # the drafters trained in the target's idle windows
-    return {"arch": arch, "tied": tied, "model": model, "run": run_dir / "run", "job": job}
+    return {"arch": arch, "tied": tied, "model": model, "run": run_volume(run_dir), "job": job}
 
 
 def step_losses(run: Path) -> list[float]:
@@ -163,7 +164,7 @@ def test_a_short_job_leaves_a_drafter_generate_loads(tmp_path: Path) -> None:
     res = subprocess.run([*SPECTRAIN, "run", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run"), "-q"],
                          cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    run = tmp_path / "run" / "run"
+    run = run_volume(tmp_path / "run")
     prompt = "import os\n"
     res = subprocess.run([*SPECTRAIN, "generate", "--model", str(run / "target" / "hf"), "--drafter",
                           str(run / "drafter"), "--prompt", prompt, "--max-new-tokens", "16", "--json"],
@@ -193,12 +194,12 @@ def test_rl_smoke_with_an_hf_target(tmp_path: Path) -> None:
     res = subprocess.run([*SPECTRAIN, "run", str(manifest), "--run-dir", str(tmp_path / "run"), "-q"], cwd=ROOT,
                          capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = [json.loads(ln) for ln in (tmp_path / "run" / "run" / "metrics" / "target-rank-0.jsonl").read_text()
+    rows = [json.loads(ln) for ln in (run_volume(tmp_path / "run") / "metrics" / "target-rank-0.jsonl").read_text()
             .splitlines()]
     steps = [r for r in rows if r.get("step") is not None and "reward" in r]
     assert [r["step"] for r in steps] == list(range(1, 7)), rows[:2]
     assert all(0.0 <= r["reward"] <= 1.0 for r in steps)
-    shared = json.loads((tmp_path / "run" / "run" / "target" / "shared" / "model_config.json").read_text())
+    shared = json.loads((run_volume(tmp_path / "run") / "target" / "shared" / "model_config.json").read_text())
     assert shared["hf_config"]["architectures"] == ["LlamaForCausalLM"]
 
 

@@ -34,7 +34,7 @@ def _run(out: Path, *, hooks_on: bool) -> list[str]:
         cfg = out / "cfg.json"
         cfg.write_text(json.dumps({"metadata": {"name": "t"}, "spec": {"mode": "Pretrain", "target": {
             "image": "x", "nodes": 2, "procsPerNode": 1, "parallelism": {"data": 1, "pipeline": 2, "microbatches": 4},
-            "data": {"seqLen": 8, "batchSize": 8}, "steps": 3 * STEPS}}}))
+            "data": {"seqLen": 8, "batchSize": 8}, "steps": 3 * STEPS, "checkpoint": {"claimName": "run"}}}}))
         base.update(SPECTRAIN_RUN_DIR=str(out), SPECTRAIN_CONFIG=str(cfg), SPECTRAIN_DRAFTER_ENABLED="0")
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(out)], env={**base, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from spectrain_api import rundir
+from spectrain_operator.local_layout import run_volume
 from tests.launch import free_port
 
 pytestmark = pytest.mark.integration
@@ -70,12 +71,12 @@ def _target_lines(run: Path) -> list[str]:
 
 
 def _windows(run: Path, rank: int) -> list[dict[str, Any]]:
-    path = run / "run" / "metrics" / f"windows-rank-{rank}.jsonl"
+    path = run_volume(run) / "metrics" / f"windows-rank-{rank}.jsonl"
     return sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda w: w["start_ns"])
 
 
 def _harvested_s(run: Path) -> float:
-    return sum(json.loads(p.read_text())["harvestedSeconds"] for _, p in rundir.drafter_summaries(run / "run"))
+    return sum(json.loads(p.read_text())["harvestedSeconds"] for _, p in rundir.drafter_summaries(run_volume(run)))
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def test_pipelining_drafter_harvests_and_training_is_bitwise_unchanged(pipelinin
     assert sorted(on) == sorted(pipelining["off"])
     assert len([line for line in on if line.startswith("step ")]) == STEPS["pipelining"]
     assert _harvested_s(pipelining["run"]) > 0
-    summary = json.loads(rundir.drafter_summary(pipelining["run"] / "run", 1).read_text())
+    summary = json.loads(rundir.drafter_summary(run_volume(pipelining["run"]), 1).read_text())
     assert summary["dataReceived"] > 0 and summary["samplesTrained"] > 0   # the last stage's hidden states
 
 

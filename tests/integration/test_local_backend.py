@@ -15,6 +15,7 @@ import yaml
 
 from spectrain_api import rundir
 from spectrain_operator import builders, local_layout, spec
+from spectrain_operator.local_layout import run_volume
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -63,7 +64,7 @@ def test_short_demo_end_to_end_with_resume(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([*SPECTRAIN, "run", str(manifest), "--run-dir", str(run_dir), "-q"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    data = run_dir / "run"
+    data = run_volume(run_dir)
     # Ctrl-C once the first checkpoint exists: the run stops cleanly with a final checkpoint.
     wait_for(lambda: list(data.glob("target/rank-*/step-*")) or proc.poll() is not None, 240,
              interval=0.2, what="first target checkpoint")

@@ -8,6 +8,7 @@ import json
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import helm_python as helm
 import pytest
@@ -259,6 +260,49 @@ def test_peer_frame_crashes_are_counted_apart(env: Env) -> None:
     drafter_crash(env, "pf-1", 4)        # the drafter's own first failure: past maxFailures 1
     wait_for(lambda: env.status("pf").get("drafterDisabled") is True, 10, what="drafter disabled")
     assert env.status("pf")["drafterFailures"] == 1 and env.status("pf")["drafterPeerFailures"] == 3
+
+
+def test_a_drafter_crash_counts_and_is_announced_before_the_kubelet_restarts_it(env: Env) -> None:
+    """A real kubelet shows a crash as state.terminated, then state.waiting CrashLoopBackOff with it
+    in lastState, and raises restartCount only at the restart (after a back-off of up to 5 min):
+    the crash counts, with a DrafterFailed Event, from the first of these; the maxFailures-th
+    disables the drafter before any restart."""
+    env.create(env.manifest("dk", {"drafter": {"maxFailures": 2},
+                                   "target": {"parallelism": {"data": 2, "pipeline": 1}}}))
+    pods = env.wait_pods("dk", 2)
+    env.run_pods("dk", pods)
+    env.wait_phase("dk", "Running")
+
+    def crash(n: int) -> dict[str, Any]:
+        return {"exitCode": 1, "reason": "Error", "message": f"RuntimeError: crash {n}",
+                "startedAt": "2026-01-01T00:00:00Z", "finishedAt": f"2026-01-01T00:0{n}:00Z",
+                "containerID": f"containerd://{n:064d}"}
+
+    def drafter(shape: dict[str, Any]) -> None:
+        env.set_pod("dk-0", "Running", {"running": {"startedAt": "2026-01-01T00:00:00Z"}}, ready=True,
+                    drafter=shape)
+
+    def announced() -> list[str]:
+        return [e["message"] for e in env.events("dk") if e["reason"] == "DrafterFailed"]
+
+    drafter({"restartCount": 0, "state": {"terminated": crash(1)}})
+    wait_for(lambda: env.status("dk").get("drafterFailures") == 1, 10, what="the crash counted before its restart")
+    (event,) = wait_for(announced, 10, what="a DrafterFailed Event")
+    assert event.startswith("dk-0: ") and "code 1 (Error): RuntimeError: crash 1" in event, event
+    assert "failure 1 of maxFailures 2" in event, event
+    drafter({"restartCount": 0, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+             "lastState": {"terminated": crash(1)}})
+    drafter({"restartCount": 1, "state": {"running": {"startedAt": "2026-01-01T00:01:10Z"}},
+             "lastState": {"terminated": crash(1)}})
+    drafter({"restartCount": 1, "state": {"terminated": crash(2)}, "lastState": {"terminated": crash(1)}})
+    wait_for(lambda: env.status("dk").get("drafterDisabled") is True, 10, what="the 2nd crash disabling the drafter")
+    st = env.status("dk")
+    assert st["drafterFailures"] == 2, "the first crash was counted once through all its shapes"
+    assert st["phase"] == "Running" and st["restarts"] == 0
+    wait_for(lambda: len(announced()) == 2, 10, what="a DrafterFailed Event per crash")
+    assert "failure 2 of maxFailures 2" in sorted(announced())[-1]
+    wait_for(lambda: [e["reason"] for e in env.events("dk")].count("DrafterDegraded") == 1, 10,
+             what="one DrafterDegraded Event")
 
 
 def test_fleet_key_secret_created_once_and_mounted_only_into_the_drafter(env: Env) -> None:

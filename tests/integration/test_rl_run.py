@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from spectrain_api import rundir
+from spectrain_operator.local_layout import run_volume
 
 pytestmark = pytest.mark.integration
 
@@ -63,7 +64,7 @@ FIRST, RESUMED = 28, 32
 
 def test_rl_run_trains_the_drafter_in_rollout_tails_and_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    data = run_dir / "run"
+    data = run_volume(run_dir)
     run(rl_manifest(tmp_path, steps=FIRST), run_dir)
 
     # RolloutTail windows, closed with their measured length.

@@ -43,7 +43,7 @@ def _config(path: Path, *, data: int, pipeline: int, microbatches: int, steps: i
             "model": {"preset": "debug"},
             "data": {"source": "builtin:python-stdlib", "seqLen": seq_len, "batchSize": 8},
             "optimizer": {"name": "AdamW", "lr": 0.003},
-            "steps": steps, "checkpoint": {"everySteps": every, "keep": 2}}}}
+            "steps": steps, "checkpoint": {"everySteps": every, "keep": 2, "claimName": "run"}}}}
     path.write_text(json.dumps(manifest))
     return path
 

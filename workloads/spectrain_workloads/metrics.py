@@ -5,6 +5,7 @@
 - `metrics/windows-rank-<r>.jsonl`: one line per closed window (harvest/window_history.py's Window.record:
   {window_id, kind, stage, step, start_ns, predicted_ns, actual_ns[, channel, bytes]}).
 - Prometheus (prometheus-client) on SPECTRAIN_METRICS_PORT + local rank when the port is > 0.
+- a line on stderr (the container's log): the first step, then one every LOG_INTERVAL_S, and the last.
 - progress: rank 0 reports through `spectrain_workloads.podstatus.report_progress(dict)` (progress.json
   in $SPECTRAIN_RUN_DIR + the pod annotation in a cluster); a run dir given other than through
   that env var (tests calling the trainer directly) gets its progress.json written here too.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Any
 from spectrain_api.fsio import atomic_write_json
 from spectrain_api.names import ENV_RUN_DIR, WINDOW_KINDS
 
+LOG_INTERVAL_S = 30.0         # between two progress lines in the container's log
 KINDS = WINDOW_KINDS[:3]      # the target trainer's kinds; RolloutTail (mode RL) is counted as it comes
 
 
@@ -101,6 +104,9 @@ class MetricsWriter:
         self.progress_interval_s = 1.0      # progress.json is fsynced; once a second is plenty
         self._last_progress = -1e9
         self.prom = _Prometheus(port + local_rank, rank) if port > 0 else None
+        self.rank = rank
+        self._last_log = -1e9
+        self._idle_since_log = 0.0
 
     def window_closed(self, rec: dict[str, Any]) -> None:
         with self._lock:
@@ -141,12 +147,24 @@ class MetricsWriter:
                 if errs[k]:
                     p.pred_err.labels(rank=p.rank, kind=k).set(statistics.median(errs[k]))
         now = time.monotonic()
+        self._idle_since_log += sum(idle.values())
+        if final or now - self._last_log >= LOG_INTERVAL_S:
+            self._log_line(step, loss, step_time_s, tps, now)
         if self.progress and (final or now - self._last_progress >= self.progress_interval_s):
             self._last_progress = now
             write_progress(self.run_dir, {
                 "step": step, "totalSteps": self.total_steps, "loss": loss, "tokensPerSecond": tps,
                 "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, flush=final)
         return line
+
+    def _log_line(self, step: int, loss: float | None, step_time_s: float, tps: float, now: float) -> None:
+        """One line on stderr (what `kubectl logs` shows): the first step, then every LOG_INTERVAL_S."""
+        span = now - self._last_log if self._last_log > 0 else None
+        idle = f" idle {self._idle_since_log / span:.0%} of the last {span:.0f} s" if span else ""
+        loss_s = "n/a" if loss is None else f"{loss:.4f}"
+        print(f"[spectrain-target rank {self.rank}] step {step + 1}/{self.total_steps or '?'} loss {loss_s} "
+              f"step {step_time_s * 1e3:.1f} ms {tps:.0f} tokens/s{idle}", file=sys.stderr, flush=True)
+        self._last_log, self._idle_since_log = now, 0.0
 
     def close(self) -> None:
         wins = self._take_windows()

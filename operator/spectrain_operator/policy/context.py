@@ -41,11 +41,12 @@ def _time(value: Any) -> str | None:
 
 
 def _peer_frames(value: Any, nodes: int) -> dict[str, Obj]:
-    """status.drafterPeerFrames, parsed defensively: node index -> {count, last}."""
+    """status.drafterPeerFrames, parsed defensively: node index -> {count, last} (a rank whose
+    drafter only failed on its own has count 0 and the last termination seen)."""
     out: dict[str, Obj] = {}
     for key, rec in (value if isinstance(value, dict) else {}).items():
         if isinstance(key, str) and key.isdigit() and int(key) < nodes and isinstance(rec, dict) \
-                and nonneg_int(rec.get("count")) and isinstance(rec.get("last"), str):
+                and isinstance(rec.get("last"), str) and (nonneg_int(rec.get("count")) or rec["last"]):
             out[key] = {"count": nonneg_int(rec["count"]), "last": rec["last"][:64]}
     return out
 

@@ -11,53 +11,76 @@ untouched; the next restart the job needs anyway builds pods without the sidecar
 
 from __future__ import annotations
 
-from spectrain_api.names import ACTIVE, DEGRADED, EXIT_PEER_FRAME, REPORT_DRAFTER
+from spectrain_api.names import ACTIVE, DEGRADED, EXIT_OK, EXIT_PEER_FRAME, REPORT_DRAFTER, SUCCEEDED
 from spectrain_operator import faults, objects
 from spectrain_operator import pods as podlib
 from spectrain_operator.objects import DRAFTER, Obj
 from spectrain_operator.policy.context import Context, finite, nonneg_int
-from spectrain_operator.policy.plan import MAX_REASON_CHARS, Event
+from spectrain_operator.policy.plan import MAX_MESSAGE_CHARS, MAX_REASON_CHARS, Event
 
 
 def count_crashes(ctx: Context) -> dict[int, int]:
-    """Count the current pods' drafter crashes; return each rank's own failures.
+    """Count the current pods' drafter failures; return each rank's own failures.
 
-    The kubelet's restartCount counts every crash of the sidecar; a crash with EXIT_PEER_FRAME (a
-    peer's frame ended the drafter) is not the drafter's own failure. Each pass sees the latest
-    termination only (state, else lastState), so peer-frame exits are counted per rank across
-    passes (status.drafterPeerFrames: count and the last one's finishedAt, so a termination seen
-    twice counts once) and subtracted: own = restartCount - peer-frame exits. Approximations: a
-    peer-frame exit followed by another crash before the operator's next look is never seen and
-    counts as an own failure (toward disabling the drafter, the target's safe side); while a
-    peer-frame exit is still the current state (not yet restarted) own is one low for a pass.
+    A rank's drafter has terminated faults.terminations times: restartCount plus the latest
+    termination while the kubelet has not restarted it yet (restartCount rises only at the restart,
+    after a back-off of up to 5 min: a crash must count, and may disable the drafter, in the pass
+    that first sees it, and one at the end of the job must count at all). The kubelet stopping the
+    sidecar at pod shutdown is no failure. An exit with EXIT_PEER_FRAME (a peer's frame ended the
+    drafter) is not the drafter's own failure: such exits are counted per rank across passes
+    (status.drafterPeerFrames: count, and `last`, faults.termination_id of the last termination
+    seen, own or not, so one seen in two passes counts once) and subtracted: own = terminations -
+    peer-frame exits. Every own failure seen is announced once (Event DrafterFailed). Approximation:
+    of terminations between two looks of the operator only the latest is seen; an earlier
+    peer-frame exit among them counts as an own failure (toward disabling the drafter, the
+    target's safe side) and only the latest gets an Event.
     """
     st = ctx.status
+    max_failures = ctx.spec["drafter"]["maxFailures"]
     frames: dict[str, Obj] = {}
     own: dict[int, int] = {}
     for node, pod in sorted(ctx.pods.current.items()):
         c = podlib.container_status(pod, DRAFTER, init=True)
         rec = st["drafterPeerFrames"].get(str(node)) or {"count": 0, "last": ""}
         if c is None:   # no status reported (yet): keep what was counted
-            if rec["count"]:
+            if rec["count"] or rec["last"]:
                 frames[str(node)] = rec
             continue
         restarts = nonneg_int(c.get("restartCount"))
         term = podlib.last_termination(c)
-        if term is not None and term.get("exitCode") == EXIT_PEER_FRAME:
-            seen = str(term.get("finishedAt") or f"restart-{restarts}")[:64]
-            if seen != rec["last"]:
-                rec = {"count": rec["count"] + 1, "last": seen}
-                st["drafterPeerFailures"] += 1
-                ctx.plan.events.append(Event(
-                    "Warning", "DrafterPeerFrame",
-                    f"{objects.pod_name(ctx.job, node)}: a peer's frame ended the drafter (exit {EXIT_PEER_FRAME}); "
-                    f"{st['drafterPeerFailures']} so far, not counted toward drafter.maxFailures"))
-        if rec["count"]:
+        # exit 0 (it stopped on its own) and the shutdown stop are no failures; the kubelet restarts
+        # the former all the same, and restartCount keeps counting it
+        failed = term is not None and term.get("exitCode") != EXIT_OK and not faults.stopped_at_shutdown(pod, c)
+        seen = faults.termination_id(term, restarts) if term is not None else ""
+        new = failed and seen != rec["last"]
+        peer = term is not None and term.get("exitCode") == EXIT_PEER_FRAME
+        if new:
+            rec = {"count": rec["count"] + (1 if peer else 0), "last": seen}
+        if new and peer:
+            st["drafterPeerFailures"] += 1
+            ctx.plan.events.append(Event(
+                "Warning", "DrafterPeerFrame",
+                f"{objects.pod_name(ctx.job, node)}: a peer's frame ended the drafter (exit {EXIT_PEER_FRAME}); "
+                f"{st['drafterPeerFailures']} so far, not counted toward drafter.maxFailures"))
+        if rec["count"] or rec["last"]:
             frames[str(node)] = rec
-        own[node] = max(0, restarts - rec["count"])
+        ended = restarts + (1 if failed and faults.unrestarted(c) else 0)
+        own[node] = max(0, ended - rec["count"])
+        if new and not peer and term is not None:
+            ctx.plan.events.append(Event("Warning", "DrafterFailed", _failure_text(ctx, node, term, own[node],
+                                                                                  max_failures)))
     st["drafterPeerFrames"] = frames
     st["drafterFailures"] = max(st["drafterFailures"], max(own.values(), default=0))
     return own
+
+
+def _failure_text(ctx: Context, node: int, term: Obj, failures: int, max_failures: int) -> str:
+    """DrafterFailed's message: the pod, exit code, reason and error line, the rank's count."""
+    code, reason = term.get("exitCode"), str(term.get("reason") or "")[:MAX_REASON_CHARS]
+    line = faults.error_line(str(term.get("message") or ""), 400)
+    return (f"{objects.pod_name(ctx.job, node)}: the drafter exited with code {code}"
+            + (f" ({reason})" if reason else "") + (f": {line}" if line else "")
+            + f"; failure {failures} of maxFailures {max_failures} on this rank (the target keeps running)")
 
 
 def disable_in_place(ctx: Context, fault: faults.PodFault, text: str) -> None:
@@ -88,6 +111,31 @@ def carry_disabled(ctx: Context) -> None:
     plan.drafter_disabled = st["drafterDisabledGeneration"] != plan.generation
     if not plan.drafter_disabled:
         plan.drafter_off = (ctx.conds.reason("DrafterDegraded") or "Disabled")[:MAX_REASON_CHARS]
+
+
+def never_trained(ctx: Context, phase: str) -> None:
+    """A job that finished with its drafter enabled and never disabled, yet nothing harvested (an
+    export, if any, is the untrained initial drafter): condition DrafterNeverTrained and one Warning Event naming each rank's last drafter
+    state (e.g. Waiting/NoRing, Waiting/NoTargetWeights), so that a Succeeded job that trained no
+    drafter cannot pass for one that did. Needs status.drafter (summary) of this pass."""
+    st = ctx.status
+    if phase != SUCCEEDED or not ctx.drafter_enabled or st["drafterDisabled"] \
+            or ctx.conds.is_true("DrafterNeverTrained"):
+        return
+    d = st["drafter"]
+    if (finite(d.get("harvestedSeconds")) or 0.0) > 0:
+        return
+    states = []
+    for node, pod in sorted(ctx.pods.current.items()):
+        r = podlib.report(ctx.old, pod, REPORT_DRAFTER)
+        states.append(f"rank {node}: " + (f"{r.get('state')}/{r.get('reason')}" if r else "no drafter report"))
+    reasons = {s.split(": ", 1)[1].split("/")[-1] for s in states}
+    reason = reasons.pop() if len(reasons) == 1 else "Various"
+    text = (f"the job finished but its drafter never trained (harvested 0 s); last drafter "
+            f"state {'; '.join(states)}; `kubectl logs <pod> -c {DRAFTER}` says why")[:MAX_MESSAGE_CHARS]
+    ctx.conds.set("DrafterNeverTrained", True, "".join(ch for ch in reason if ch.isalnum())[:MAX_REASON_CHARS]
+                  or "NeverTrained", text)
+    ctx.plan.events.append(Event("Warning", "DrafterNeverTrained", text))
 
 
 def summary(pods_by_node: dict[int, Obj], job_status: object, previous: object, *, enabled: bool,

@@ -45,7 +45,7 @@ IMAGE = "example.org/spectrain/workloads:0.1.0"
 
 def manifest(spec_: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": "job"},
-            "spec": {**spec_, "target": {"image": IMAGE, **spec_.get("target", {})}}}
+            "spec": {**spec_, "target": {"image": IMAGE, "checkpoint": {"claimName": "run"}, **spec_.get("target", {})}}}
 
 
 def workload_start(m: dict[str, Any]) -> JobConfig:

@@ -30,7 +30,7 @@ HF_PATH = "file:///models/llama"
 
 
 def manifest(mode: str | None = None, drafter: dict[str, Any] | None = None, **target: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {"target": {"image": "img:1", **target}}
+    spec: dict[str, Any] = {"target": {"image": "img:1", "checkpoint": {"claimName": "run"}, **target}}
     if mode is not None:
         spec["mode"] = mode
     if mode == RL:

@@ -73,7 +73,7 @@ def test_pod_layout_target_and_native_sidecar_drafter() -> None:
     assert drafter["image"] == target["image"] == "example.org/spectrain/workloads:0.1.0"
     vols = {v["name"]: v for v in s["volumes"]}
     assert vols["ring"] == {"name": "ring", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}}
-    assert vols["run"] == {"name": "run", "emptyDir": {}}
+    assert vols["run"] == {"name": "run", "persistentVolumeClaim": {"claimName": "demo-run"}}   # the example's shared run volume
     assert vols["config"]["configMap"]["name"] == "demo-config"
     shared = {"/etc/spectrain": "config", "/var/run/spectrain/ring": "ring", "/var/run/spectrain/run": "run"}
     assert {m["mountPath"]: m["name"] for m in target["volumeMounts"]} == shared
@@ -217,7 +217,7 @@ def test_an_hf_models_claim_is_mounted_read_only_beside_the_datas() -> None:
     assert ("spec.target.model.path", "models") in spec.claims(j["spec"])
     j["spec"]["target"]["model"] = {"path": "pvc://corpus/llama"}     # one claim for both: mounted once
     p, _ = builders.pod(j, 0)
-    assert [v["name"] for v in p["spec"]["volumes"] if "persistentVolumeClaim" in v] == ["data"]
+    assert [v["name"] for v in p["spec"]["volumes"] if "persistentVolumeClaim" in v] == ["run", "data"]
     (cm,) = by_kind(builders.render(j))["ConfigMap"]        # the workloads read the path from here
     assert json.loads(cm["data"][builders.CONFIG_KEY])["spec"]["target"]["model"]["path"] == "pvc://corpus/llama"
 

@@ -60,7 +60,8 @@ def test_healthy_and_succeeded_pods_have_no_fault() -> None:
 
 def test_target_fault() -> None:
     f = classify_pod(pod(status("target", state={"terminated": term(42, T1)}), status("drafter")))
-    assert f == PodFault("target", 42, "TargetFailed", f.message if f else "")
+    # restarts: terminations so far, this one included (restartCount 0: not restarted yet)
+    assert f == PodFault("target", 42, "TargetFailed", f.message if f else "", restarts=1)
     assert f is not None and "code 42" in f.message
 
 
@@ -74,7 +75,8 @@ def test_drafter_fault_while_target_runs() -> None:
                restarts=2)
     f = classify_pod(pod(drafter=d))
     assert f is not None
-    assert (f.container, f.exit_code, f.reason, f.restarts) == ("drafter", 1, "DrafterFailed", 2)
+    # restartCount 2 plus the crash in back-off, which the kubelet counts only once it restarts it
+    assert (f.container, f.exit_code, f.reason, f.restarts) == ("drafter", 1, "DrafterFailed", 3)
 
 
 def test_drafter_oom() -> None:

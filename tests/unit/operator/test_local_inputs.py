@@ -75,7 +75,7 @@ def test_local_subpath_mounts_are_directories_inside_their_volumes(tmp_path: Pat
     job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
     job["spec"]["drafter"]["export"] = {"path": "models/eagle"}
     run = local_layout.plan(job, tmp_path / "r", shm_dir=tmp_path / "shm")
-    volume = tmp_path / "r" / "run"
+    volume = tmp_path / "r" / "pvc" / job["spec"]["target"]["checkpoint"]["claimName"]
     for c in run.containers:
         assert c.env["SPECTRAIN_RUN_DIR"] == str(volume)
         assert c.env["SPECTRAIN_EXPORT_DIR"] == str(volume / "models" / "eagle")
@@ -83,3 +83,19 @@ def test_local_subpath_mounts_are_directories_inside_their_volumes(tmp_path: Pat
     assert local_layout._mount_dir(volume, {"name": "run", "mountPath": "/x", "readOnly": True}) == volume
     assert local_layout._mount_dir(volume, {"name": "run", "mountPath": "/x/a/b", "subPath": "a/b"}) == volume / "a/b"
     assert (volume / "a" / "b").is_dir()
+
+
+def test_local_emptydirs_are_private_to_their_pod_and_claims_are_shared(tmp_path: Path) -> None:
+    """As a kubelet gives them: the run volume of a job without a claim is one directory per pod (a
+    file the target of one pod writes there is not seen by another pod); with a claim it is one
+    directory for every pod."""
+    job = yaml.safe_load((ROOT / "examples" / "pretrain-dp.yaml").read_text())
+    del job["spec"]["target"]["checkpoint"]["claimName"]
+    run = local_layout.plan(job, tmp_path / "own", shm_dir=tmp_path / "shm")
+    dirs = {c.pod: c.env["SPECTRAIN_RUN_DIR"] for c in run.containers if c.name == "target"}
+    assert len(dirs) == 2 and len(set(dirs.values())) == 2
+    assert all(d == str(tmp_path / "own" / "pods" / pod / "run") for pod, d in dirs.items())
+    shared = yaml.safe_load((ROOT / "examples" / "pretrain-dp.yaml").read_text())
+    run = local_layout.plan(shared, tmp_path / "shared", shm_dir=tmp_path / "shm")
+    assert {c.env["SPECTRAIN_RUN_DIR"] for c in run.containers if "SPECTRAIN_RUN_DIR" in c.env} == {
+        str(tmp_path / "shared" / "pvc" / "pretrain-dp-ckpt")}

@@ -81,7 +81,7 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 
 def job(labels: dict[str, str] | None = None, **spec: Any) -> Obj:
-    base: Obj = {"target": {"image": "img:1", "nodes": 2, "steps": 10,
+    base: Obj = {"target": {"image": "img:1", "nodes": 2, "steps": 10, "checkpoint": {"claimName": "run"},
                             "parallelism": {"data": 1, "pipeline": 2, "microbatches": 2}},
                  "runPolicy": {"backoffSeconds": 0},
                  "scheduling": {"nodeSelector": {"team": "a"}}}
@@ -346,5 +346,49 @@ def test_a_job_event_with_new_reports_makes_one_batched_pass_and_the_same_report
         assert r.reports_changed(NS, "k", st) is True
         assert r.reports_changed(NS, "k", {"observedGeneration": 1}) is True   # deleted
         assert r.reports_changed(NS, "k", None) is False
+    finally:
+        r.close()
+
+
+def test_a_pass_that_raises_is_reported_on_the_job_retried_soon_and_cleared_by_the_next_good_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen with a shipped image missing a module: every pass raised, the job got neither a status
+    nor a pod and nothing said so. The failure must show on the job (condition and Warning Event
+    ReconcileError), be retried with a growing pause well short of the resync, and clear once a
+    pass succeeds."""
+    kube = FakeKube(job(target={"image": "img:1", "nodes": 2, "steps": 10, "parallelism": {"data": 2}}))
+    events: list[Any] = []
+    kube.post_event = lambda j, e: events.append(e)  # type: ignore[method-assign]
+    r = Reconciler(kube, resync_s=600.0, retry=Backoff(2.0, 60.0, random.Random(5)))  # type: ignore[arg-type]
+
+    def broken(manifest: Obj, old: Obj | None = None, **kw: Any) -> list[str]:
+        raise ModuleNotFoundError("No module named 'celpy'\nsecond line")
+
+    def reconcile_error() -> Obj:
+        return {c["type"]: c for c in kube.job["status"]["conditions"]}["ReconcileError"]
+
+    monkeypatch.setattr(recmod.specmod, "validate", broken)
+    try:
+        r.handle(NS, "k")   # logged, not raised
+        cond = reconcile_error()
+        assert cond["status"] == "True" and cond["reason"] == "ModuleNotFoundError"
+        assert "No module named 'celpy'" in cond["message"] and "second line" not in cond["message"]
+        assert [(e.type, e.reason) for e in events] == [("Warning", "ReconcileError")]
+        assert "No module named 'celpy'" in events[0].message
+        assert 0 < (r._timers.pending((NS, "k")) or 0) <= 2     # soon: a draw in [0, base], not the resync
+        assert kube.creates == []
+        r._timers.cancel((NS, "k"))
+        r.handle(NS, "k")   # the same failure again: the pause grows, no second Event
+        assert 0 < (r._timers.pending((NS, "k")) or 0) <= 4
+        assert len(events) == 1 and reconcile_error()["status"] == "True"
+
+        monkeypatch.undo()  # the fault removed: the next pass succeeds and clears the condition
+        r._timers.cancel((NS, "k"))
+        r.handle(NS, "k")
+        cond = reconcile_error()
+        assert cond["status"] == "False" and cond["reason"] == "Reconciled"
+        assert ("Pod", "k-0") in kube.creates and kube.job["status"]["phase"] != "Failed"
+        assert 590 < (r._timers.pending((NS, "k")) or 0) <= 600   # back to the resync
+        assert [e.reason for e in events].count("ReconcileError") == 1
     finally:
         r.close()

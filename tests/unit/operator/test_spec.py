@@ -23,7 +23,7 @@ INVALID = sorted((ROOT / "examples" / "invalid").glob("*.yaml"))
 
 def base() -> dict[str, Any]:
     return {"apiVersion": "spectrain.io/v1alpha1", "kind": "SpecTrainJob", "metadata": {"name": "job"},
-            "spec": {"target": {"image": "img:1"}}}
+            "spec": {"target": {"image": "img:1", "checkpoint": {"claimName": "run"}}}}
 
 
 def with_spec(**paths: Any) -> dict[str, Any]:
@@ -82,7 +82,8 @@ def test_crd_defaults_equal_the_workload_config_defaults() -> None:
     from spectrain_api import config
 
     defaulted = config.from_manifest(spec.defaulted(base()))
-    plain = config.JobConfig(name="job", target=config.TargetSpec(image="img:1"))
+    plain = config.JobConfig(name="job", target=config.TargetSpec(image="img:1",
+                                                                  checkpoint=config.CheckpointSpec(claim_name="run")))
     assert dataclasses.asdict(defaulted) == dataclasses.asdict(plain)
 
 
@@ -140,7 +141,8 @@ CEL_CASES = [
      "spec.drafter.securityContext.allowPrivilegeEscalation: true is refused"),
     ({"drafter.securityContext": {"runAsNonRoot": False}}, "spec.drafter.securityContext.runAsNonRoot: false"),
     ({"target.securityContext": {"readOnlyRootFilesystem": True, "privileged": False, "runAsUser": 7,
-                                 "capabilities": {"add": ["NET_BIND_SERVICE"], "drop": ["ALL"]}}}, None),
+                                 "capabilities": {"add": ["NET_BIND_SERVICE"], "drop": ["ALL"]}},
+      "drafter.securityContext": {"runAsUser": 7}}, None),
     ({"gpuSharing": {"mode": "PodLocalMPS", "gpusPerNode": 1, "mps": {"runAsUser": 0}}},
      "spec.gpuSharing.mps.runAsUser: 0 (root) is refused"),
     ({"gpuSharing": {"mode": "PodLocalMPS", "gpusPerNode": 1}, "target.securityContext": {"runAsUser": 7}},
@@ -149,7 +151,20 @@ CEL_CASES = [
       "podSecurityContext": {"runAsUser": 7}, "drafter.securityContext": {"runAsUser": 7}}, None),
     ({"gpuSharing": {"mode": "SingleContainer", "gpusPerNode": 1}, "drafter.securityContext": {"runAsUser": 7}},
      "spec.drafter.securityContext: in gpuSharing mode SingleContainer"),
-    ({"gpuSharing": {"mode": "DRA", "gpusPerNode": 1}, "drafter.securityContext": {"runAsUser": 7}}, None),
+    ({"gpuSharing": {"mode": "DRA", "gpusPerNode": 1}, "drafter.securityContext": {"runAsUser": 7},
+      "target.securityContext": {"runAsUser": 7}}, None),
+    # The drafter runs as the target's effective UID: the ring and shared files are the target's, mode 0600.
+    ({"drafter.securityContext": {"runAsUser": 7}},
+     "spec.drafter.securityContext.runAsUser: the drafter must run as the target's UID"),
+    ({"target.securityContext": {"runAsUser": 7}},
+     "spec.drafter.securityContext.runAsUser: the drafter must run as the target's UID"),
+    ({"podSecurityContext": {"runAsUser": 7}, "drafter.securityContext": {"runAsUser": 1000}},
+     "spec.drafter.securityContext.runAsUser: the drafter must run as the target's UID"),
+    ({"drafter.securityContext": {"runAsUser": 1000}}, None),
+    ({"podSecurityContext": {"runAsUser": 7}, "drafter.securityContext": {"runAsUser": 7}}, None),
+    ({"podSecurityContext": {"runAsUser": 7}, "target.securityContext": {"runAsUser": 8},
+      "drafter.securityContext": {"runAsUser": 8}}, None),
+    ({"gpuSharing": {"mode": "SingleContainer", "gpusPerNode": 1}, "target.securityContext": {"runAsUser": 7}}, None),
     ({"networkPolicy": {"enabled": False}}, None),
     ({"networkPolicy": {"metricsFrom": {"matchExpressions": [{"key": "team", "operator": "In", "values": ["a"]}]}}},
      None),
@@ -329,3 +344,31 @@ def test_cli_render_is_what_the_builders_produce(capsys: pytest.CaptureFixture[s
     assert rendered == expected
     assert all("ownerReferences" not in o["metadata"] for o in rendered)
     assert cli.main(["render", str(INVALID[0])]) == 1
+
+
+# ------------------------------------------------------------------------- shared run volume
+
+@pytest.mark.parametrize(("nodes", "procs", "pipeline", "claim", "drafter", "refused"), [
+    (2, 1, 2, "", True, True),            # one stage per pod: neither pod has both parts
+    (2, 1, 2, "run", True, False),        # a claim every pod mounts
+    (2, 1, 2, "", False, False),          # no drafter, nothing to read
+    (2, 2, 2, "", True, False),           # whole pipelines inside each pod
+    (2, 4, 2, "", True, False),
+    (4, 3, 2, "", True, False),           # stages (0,1,0) (1,0,1) ...: every pod has 0 and 1
+    (2, 2, 4, "", True, True),            # stages (0,1) and (2,3)
+    (1, 1, 1, "", True, False),
+])
+def test_a_pipeline_across_pods_needs_a_shared_run_volume(nodes: int, procs: int, pipeline: int, claim: str,
+                                                         drafter: bool, refused: bool) -> None:
+    from spectrain_api.config import JobConfig, Parallelism
+    from spectrain_api.rules import shared_volume_errors
+
+    cfg = JobConfig()
+    cfg.target.nodes, cfg.target.procs_per_node = nodes, procs
+    cfg.target.parallelism = Parallelism(data=nodes * procs // pipeline, pipeline=pipeline, microbatches=pipeline)
+    cfg.target.checkpoint.claim_name = claim
+    cfg.drafter.enabled = drafter
+    errors = shared_volume_errors(cfg)
+    assert bool(errors) == refused, errors
+    if refused:
+        assert errors[0].startswith("spec.target.checkpoint.claimName: required") and "procsPerNode" in errors[0]

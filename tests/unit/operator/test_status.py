@@ -267,7 +267,9 @@ def test_drafter_past_max_failures_is_disabled_in_place() -> None:
     # annotation at creation
     assert plan.drafter_off == "TooManyFailures"
     assert plan.drafter_disabled is False, "the current generation keeps its sidecars (idle)"
-    assert [(e.type, e.reason) for e in plan.events] == [("Warning", "DrafterDegraded")]
+    # each rank's failure is announced, then the disable
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", "DrafterFailed")] * 2 + [
+        ("Warning", "DrafterDegraded")]
     # idempotent: the next pass changes nothing and posts nothing
     j["status"] = plan.status
     again = st.decide(j, pods, NOW + timedelta(seconds=5))
@@ -338,7 +340,90 @@ def test_peer_frame_exits_are_counted_apart_from_the_drafters_own_failures() -> 
     plan = step(6, 1, "2026-01-01T11:11:00Z")
     assert plan.status["drafterFailures"] == 2 and plan.status["drafterDisabled"] is True
     assert plan.status["drafterPeerFailures"] == 4 and plan.status["restarts"] == 0
-    assert seen[:2] == [["DrafterPeerFrame"], []] and seen[-1] == ["DrafterDegraded"]
+    assert seen[:2] == [["DrafterPeerFrame"], []] and seen[-2:] == [["DrafterFailed"], ["DrafterFailed", "DrafterDegraded"]]
+
+
+# A drafter crash as a real kubelet reports it: first state.terminated (the dead container's
+# containerID, finishedAt) with restartCount unchanged, then state.waiting CrashLoopBackOff with the
+# crash in lastState, still unchanged; restartCount rises only when the kubelet restarts the
+# sidecar, after a back-off of up to 5 min.
+CRASH_AT = "2026-01-01T11:59:30Z"
+
+
+def kubelet_crash(code: int = 1, at: str = CRASH_AT, container: str = "a" * 64) -> dict[str, Any]:
+    return {"exitCode": code, "reason": "Error", "message": "RuntimeError: CUDA out of memory",
+            "startedAt": "2026-01-01T11:58:00Z", "finishedAt": at, "containerID": f"containerd://{container}"}
+
+
+def crash_shapes(restarts: int, crash: dict[str, Any], before: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The drafter's status through one crash: terminated, back-off, restarted."""
+    last = {"lastState": {"terminated": before}} if before else {"lastState": {}}
+    return [{"restartCount": restarts, "state": {"terminated": crash}, **last},
+            {"restartCount": restarts, "state": {"waiting": {"reason": "CrashLoopBackOff",
+                                                             "message": "back-off 10s restarting failed container"}},
+             "lastState": {"terminated": crash}},
+            {"restartCount": restarts + 1, "state": {"running": {"startedAt": "2026-01-01T11:59:45Z"}},
+             "lastState": {"terminated": crash}}]
+
+
+def drafter_pass(j: dict[str, Any], drafter_status: dict[str, Any], node: int = 0,
+                 target: dict[str, Any] | None = None) -> st.Plan:
+    pods = running(j)
+    pods[node]["status"]["initContainerStatuses"] = [{"name": "drafter", **drafter_status}]
+    if target is not None:
+        pods[node]["status"]["containerStatuses"][0].update(target)
+    plan = st.decide(j, pods, NOW)
+    j["status"] = plan.status
+    return plan
+
+
+def test_a_drafter_crash_counts_once_from_the_pass_that_first_sees_it() -> None:
+    j = job(created_status(), drafter={"maxFailures": 3})
+    failed = []
+    for shape in crash_shapes(0, kubelet_crash()):
+        plan = drafter_pass(j, shape)
+        assert plan.status["drafterFailures"] == 1, shape   # not 0 before the restart, not 2 after it
+        failed.append([e for e in plan.events if e.reason == "DrafterFailed"])
+        assert plan.status["phase"] == "Running" and plan.status["drafterDisabled"] is False
+    assert [len(f) for f in failed] == [1, 0, 0], "one Event per failure, when it is first seen"
+    event = failed[0][0]
+    assert event.type == "Warning"
+    assert event.message.startswith("j-0: ") and "code 1 (Error)" in event.message
+    assert "CUDA out of memory" in event.message and "1 of maxFailures 3" in event.message
+
+
+@pytest.mark.parametrize("shape", [0, 1], ids=["terminated", "CrashLoopBackOff"])
+def test_the_max_failures_th_crash_disables_the_drafter_in_the_pass_that_first_sees_it(shape: int) -> None:
+    j = job(created_status(drafterPeerFrames={"0": {"count": 0, "last": "2026-01-01T11:50:00Z"}}),
+            drafter={"maxFailures": 3})
+    second = kubelet_crash(at="2026-01-01T11:50:00Z", container="b" * 64)
+    plan = drafter_pass(j, crash_shapes(2, kubelet_crash(), second)[shape])
+    assert plan.status["drafterFailures"] == 3
+    assert plan.status["drafterDisabled"] is True and cond(plan, "DrafterDegraded")["reason"] == "TooManyFailures"
+    assert [e.reason for e in plan.events] == ["DrafterFailed", "DrafterDegraded"]
+    assert "3 of maxFailures 3" in plan.events[0].message
+    assert plan.status["phase"] == "Running" and plan.delete_pods == []
+
+
+def test_a_drafter_crash_at_the_end_of_the_job_is_counted_and_a_shutdown_stop_is_not() -> None:
+    done = {"state": {"terminated": {"exitCode": 0, "reason": "Completed", "finishedAt": "2026-01-01T11:59:50Z"}}}
+    j = job(created_status(), drafter={"maxFailures": 3})
+    # crashed 20 s before the target finished; the kubelet never restarted it
+    plan = drafter_pass(j, crash_shapes(0, kubelet_crash())[1], target=done)
+    assert plan.status["drafterFailures"] == 1 and [e.reason for e in plan.events].count("DrafterFailed") == 1
+    # stopped by the kubelet after the target ended: no failure
+    j = job(created_status(), drafter={"maxFailures": 3})
+    stopped = {"restartCount": 0, "state": {"terminated": kubelet_crash(143, "2026-01-01T11:59:51Z")}}
+    plan = drafter_pass(j, stopped, target=done)
+    assert plan.status["drafterFailures"] == 0 and "DrafterFailed" not in [e.reason for e in plan.events]
+
+
+def test_a_peer_frame_exit_not_yet_restarted_is_no_own_failure() -> None:
+    j = job(created_status(), drafter={"maxFailures": 1})
+    for shape in crash_shapes(0, kubelet_crash(87)):
+        plan = drafter_pass(j, shape)
+        assert plan.status["drafterFailures"] == 0 and plan.status["drafterPeerFailures"] == 1
+        assert plan.status["drafterDisabled"] is False
 
 
 def test_forged_drafter_bookkeeping_is_ignored() -> None:
@@ -448,6 +533,35 @@ def test_all_targets_exit_zero_is_succeeded_and_terminal() -> None:
     j["status"] = plan.status
     later = st.decide(j, [], NOW + timedelta(hours=1))  # pods gone later: still Succeeded, nothing recreated
     assert later.status["phase"] == "Succeeded" and later.create_nodes == []
+
+
+def test_a_job_whose_drafter_never_trained_says_so_once() -> None:
+    """Succeeded with the drafter on and 0 s harvested (every drafter waited for target weights that
+    never came): condition DrafterNeverTrained naming each rank's state, and one Warning Event."""
+    j = job(created_status())
+    pods = [pod(j, n, phase="Succeeded", target=exited(0)) for n in range(2)]
+    waiting = json.dumps({"state": "Waiting", "reason": "NoTargetWeights", "harvestedSeconds": 0.0})
+    j["status"][STATUS_REPORTS] = reports(pods, n0={REPORT_DRAFTER: waiting}, n1={REPORT_DRAFTER: waiting})
+    plan = st.decide(j, pods, NOW)
+    c = cond(plan, "DrafterNeverTrained")
+    assert plan.status["phase"] == "Succeeded" and c is not None and c["status"] == "True"
+    assert c["reason"] == "NoTargetWeights" and "rank 1: Waiting/NoTargetWeights" in c["message"]
+    assert [e.reason for e in plan.events if e.type == "Warning"] == ["DrafterNeverTrained"]
+    j["status"] = {**plan.status, STATUS_REPORTS: j["status"][STATUS_REPORTS]}
+    again = st.decide(j, pods, NOW + timedelta(seconds=5))
+    assert cond(again, "DrafterNeverTrained")["status"] == "True"
+    assert not [e for e in again.events if e.reason == "DrafterNeverTrained"], "one Event, not one per pass"
+
+
+def test_a_job_whose_drafter_harvested_or_was_off_has_no_never_trained_condition() -> None:
+    j = job(created_status())
+    pods = [pod(j, n, phase="Succeeded", target=exited(0)) for n in range(2)]
+    worked = json.dumps({"state": "Waiting", "reason": "Stopped", "harvestedSeconds": 3.5})
+    j["status"][STATUS_REPORTS] = reports(pods, n0={REPORT_DRAFTER: worked})
+    assert cond(st.decide(j, pods, NOW), "DrafterNeverTrained") is None
+    off = job(created_status(), drafter={"enabled": False})
+    assert cond(st.decide(off, [pod(off, n, phase="Succeeded", target=exited(0)) for n in range(2)], NOW),
+                "DrafterNeverTrained") is None
 
 
 def test_one_target_done_one_running_is_still_running() -> None:

@@ -171,12 +171,13 @@ def test_operator_image_has_no_torch() -> None:
 
 
 def test_locks_target_the_images_python() -> None:
-    # The operator's base tag names its Python; the workloads image's CUDA base is Ubuntu 24.04 (3.12),
-    # and its documented CPU variant is python:3.12 to match.
+    # The operator's base tag names its Python. The workloads lock is resolved for the CPU variant's
+    # Python (a Debian bookworm base: 3.11) and checked for the CUDA base's (Ubuntu 24.04: 3.12).
     tag = resolved_bases(OPERATOR)[0]
     assert tag.startswith(f"python:{IMAGES['operator'].python}."), tag
-    assert resolved_bases(WORKLOADS)[0].endswith("ubuntu24.04") and IMAGES["workloads"].python == "3.12"
+    assert resolved_bases(WORKLOADS)[0].endswith("ubuntu24.04") and "3.12" in IMAGES["workloads"].also_python
     assert f"BASE_IMAGE=python:{IMAGES['workloads'].python}-slim" in WORKLOADS.read_text()
+    assert f"Python {IMAGES['workloads'].python} and 3.12" in IMAGES["workloads"].lock.read_text().splitlines()[0]
 
 
 def test_workloads_image_cuda_base_is_a_build_arg_with_cpu_variant() -> None:

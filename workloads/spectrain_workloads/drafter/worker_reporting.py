@@ -10,6 +10,7 @@ activity log (metrics.log, JSON lines) records every state change and acceptance
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,10 @@ from spectrain_workloads.drafter.eagle3_assembly import AssemblyStats
 from spectrain_workloads.drafter.gating import CostModel, Gate
 from spectrain_workloads.drafter.metrics import Metrics, write_summary
 from spectrain_workloads.drafter.settings import DrafterSettings
+from spectrain_workloads.metrics import LOG_INTERVAL_S
+
+# States a working drafter moves through at every window: logged to the activity log, not to stderr.
+FLAPPING_REASONS = ("", "NoWindow", "NoData")
 
 
 class Reporting:
@@ -64,6 +69,8 @@ class Reporting:
         if (state, reason) != (self.state, self.reason) or not self._last.get("state_logged"):
             self.metrics.log("state", state=state, reason=reason)
             self._last["state_logged"] = 1.0
+            if reason not in FLAPPING_REASONS:   # a wait before training, Disabled, Degraded: say it
+                print(f"[spectrain-drafter rank {self.rank}] {state}/{reason}", file=sys.stderr, flush=True)
         self.state, self.reason = state, reason
 
     def _publish(self) -> None:
@@ -73,6 +80,15 @@ class Reporting:
         self.consumer.publish_back({"state": self.state, "reason": self.reason, "version": self.version,
                                     "path": self.artifact, "acceptance": acc.get("acceptance_length"),
                                     "top1": acc.get("top1"), "pid": os.getpid()})
+
+    def _log_line(self, s: dict[str, Any]) -> None:
+        """One line on stderr (what `kubectl logs -c drafter` shows) every LOG_INTERVAL_S and at the end."""
+        acc = s.get("acceptanceLength")
+        print(f"[spectrain-drafter rank {self.rank}] {s['state']}/{s['reason']} harvested "
+              f"{s['harvestedSeconds']:.1f} s in {s['windowsWorked']} of {s['windowsSeen']} windows, "
+              f"{s['samplesTrained']} samples, version {s['version']}, acceptance "
+              f"{'n/a' if acc is None else f'{acc:.2f}'}, exported v{s['exportedVersion']}",
+              file=sys.stderr, flush=True)
 
     def _summary_every(self, every_s: float) -> None:
         if self._due("summary", every_s):
@@ -114,6 +130,8 @@ class Reporting:
 
     def _summary(self, flush: bool = False) -> None:
         summary = self.summary()
+        if flush or self._due("log", LOG_INTERVAL_S):
+            self._log_line(summary)
         write_summary(self.run_dir, self.rank, summary, flush=flush)
         if self.prometheus is not None:
             self.prometheus.update(summary)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spectrain_api.config import JobConfig, Parallelism, TargetSpec
+from spectrain_api.config import CheckpointSpec, JobConfig, Parallelism, TargetSpec
 from spectrain_api.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -12,7 +12,8 @@ pytestmark = pytest.mark.unit
 
 def _cfg(**par: int | str) -> JobConfig:
     p = Parallelism(**{"schedule": "1F1B", **par})
-    return JobConfig(target=TargetSpec(nodes=p.data * p.pipeline, parallelism=p))
+    return JobConfig(target=TargetSpec(nodes=p.data * p.pipeline, parallelism=p,
+                                       checkpoint=CheckpointSpec(claim_name="run")))
 
 
 def test_bad_input_is_a_config_error_naming_the_field(tmp_path) -> None:
