@@ -54,6 +54,16 @@ kube-binaries: ## build kube-apiserver/-controller-manager/-scheduler, etcd, kwo
 prometheus-binaries: ## build prometheus and promtool (scripts/prometheus/) once from the Go module proxy, for the monitoring tests
 	bash scripts/build-prometheus.sh
 
+.PHONY: cluster-binaries cluster-up cluster-down
+cluster-binaries: ## build kubelet, kube-proxy, containerd 2.x, CoreDNS, kube-router, pause (scripts/node/) once + apt deps, for the real two-node cluster
+	bash scripts/cluster/build.sh
+
+cluster-up: ## start a real two-node cluster (builds what is missing; own netns, containerd, kubelet per node); KUBECONFIG: scripts/cluster/cluster.sh env
+	bash scripts/cluster/cluster.sh up
+
+cluster-down: ## stop the real two-node cluster and leave the host clean (safe to run twice)
+	bash scripts/cluster/cluster.sh down
+
 kube-binaries-legacy: ## the old 1.20 tier from Debian source (~11 min), for SPECTRAIN_KUBE=1.20 and the below-range test
 	KUBE_CACHE=$(KUBE_CACHE) bash scripts/build-kube.sh
 

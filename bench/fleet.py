@@ -66,7 +66,7 @@ def manifest(variant: str, steps: int) -> dict[str, Any]:
     t["parallelism"].update(data=2, pipeline=2, microbatches=4)
     t["model"]["overrides"] = {"n_layers": N_LAYERS}
     t["data"].update(seqLen=SEQ, batchSize=8)
-    t["checkpoint"] = {"everySteps": steps, "keep": 1}
+    t["checkpoint"] |= {"everySteps": steps, "keep": 1}
     d = job["spec"]["drafter"]
     d["enabled"] = variant != "off"
     d["exchange"] = {"enabled": variant == "combined", "combineEverySeconds": 2}

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from spectrain_operator.objects import LABEL_JOB
 from spectrain_operator.objects import child_metadata as _child_metadata
 from spectrain_operator.objects import get as _get
 
@@ -46,6 +47,7 @@ SP_API_VERSION = "scheduling.x-k8s.io/v1alpha1"
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 VOLCANO_API_VERSION = "scheduling.volcano.sh/v1beta1"
 VOLCANO_SCHEDULER = "volcano"
+HOSTNAME_TOPOLOGY_KEY = "kubernetes.io/hostname"
 
 
 class SchedulingError(ValueError):
@@ -132,6 +134,14 @@ def apply(pod: dict, job: dict) -> list[dict]:
     tolerations = sched.get("tolerations") or []
     if tolerations:
         _merge_tolerations(spec.setdefault("tolerations", []), tolerations)
+    if int(_get(job, "spec", "target", "nodes", default=1)) > 1:
+        # One pod per node: where nothing else keeps two of a job's pods apart (GPU requests that
+        # fill a node do), the scheduler spreads them over the nodes it can.
+        spec.setdefault("affinity", {})["podAntiAffinity"] = {
+            "preferredDuringSchedulingIgnoredDuringExecution": [{
+                "weight": 100,
+                "podAffinityTerm": {"labelSelector": {"matchLabels": {LABEL_JOB: name}},
+                                    "topologyKey": HOSTNAME_TOPOLOGY_KEY}}]}
 
     queue = kueue_queue(job)
     if queue:

@@ -39,7 +39,7 @@ def job_for(model: Path) -> dict[str, Any]:
     t["parallelism"]["microbatches"] = 2
     t["optimizer"] = {"lr": 3e-3}
     t["steps"] = STEPS
-    t["checkpoint"] = {"everySteps": STEPS // 2}
+    t["checkpoint"] |= {"everySteps": STEPS // 2}
     t["env"] = [{"name": "SPECTRAIN_TORCH_THREADS", "value": "1"},
                 {"name": "SPECTRAIN_DATA_MAX_BYTES", "value": str(CORPUS_BYTES)}]
     d.update({"preset": "debug", "optimizer": {"lr": 4e-3}})
@@ -159,7 +159,8 @@ def test_a_short_job_leaves_a_drafter_generate_loads(tmp_path: Path) -> None:
 
     model = build_model(tmp_path / "model", "LlamaForCausalLM", layers=2, seed=9)
     job = job_for(model)
-    job["spec"]["target"]["steps"], job["spec"]["target"]["checkpoint"] = 4, {"everySteps": 2}
+    job["spec"]["target"]["steps"] = 4
+    job["spec"]["target"]["checkpoint"] |= {"everySteps": 2}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     res = subprocess.run([*SPECTRAIN, "run", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run"), "-q"],
                          cwd=ROOT, capture_output=True, text=True, timeout=400)
@@ -186,7 +187,8 @@ def test_rl_smoke_with_an_hf_target(tmp_path: Path) -> None:
     job = yaml.safe_load((ROOT / "examples" / "demo-rl.yaml").read_text())
     t = job["spec"]["target"]
     t["model"] = {"path": f"file://{model}"}
-    t["steps"], t["checkpoint"] = 6, {"everySteps": 3}
+    t["steps"] = 6
+    t["checkpoint"] |= {"everySteps": 3}
     t["env"] = [{"name": "SPECTRAIN_RL_WARMUP_STEPS", "value": "20"}]
     t["rl"]["maxNewTokens"] = 16
     manifest = tmp_path / "rl.yaml"
@@ -212,7 +214,8 @@ def test_tied_pipeline_resume_is_bitwise(tmp_path: Path) -> None:
 
     def run(root: Path, steps: int) -> list[float]:
         job = job_for(model)
-        job["spec"]["target"]["steps"], job["spec"]["target"]["checkpoint"] = steps, {"everySteps": 3}
+        job["spec"]["target"]["steps"] = steps
+        job["spec"]["target"]["checkpoint"] |= {"everySteps": 3}
         job["spec"]["target"]["data"] = {"source": "builtin:python-stdlib", "seqLen": 32, "batchSize": 4}
         cfg = root / "job.json"
         root.mkdir(exist_ok=True)

@@ -27,7 +27,7 @@ SPECTRAIN = [sys.executable, "-m", "spectrain_operator.cli"]
 def short_demo(tmp_path: Path, steps: int = 8, every: int = 4) -> Path:
     job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
     job["spec"]["target"]["steps"] = steps
-    job["spec"]["target"]["checkpoint"] = {"everySteps": every, "keep": 2}
+    job["spec"]["target"]["checkpoint"] |= {"everySteps": every, "keep": 2}
     job["spec"]["target"]["data"]["seqLen"] = 64
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(job))
@@ -64,6 +64,8 @@ def test_short_demo_end_to_end_with_resume(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([*SPECTRAIN, "run", str(manifest), "--run-dir", str(run_dir), "-q"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: (run_dir / "layout.json").exists() or proc.poll() is not None, 60, interval=0.1,
+             what="the run's layout.json")
     data = run_volume(run_dir)
     # Ctrl-C once the first checkpoint exists: the run stops cleanly with a final checkpoint.
     wait_for(lambda: list(data.glob("target/rank-*/step-*")) or proc.poll() is not None, 240,

@@ -277,7 +277,7 @@ def short_demo(tmp_path: Path) -> Path:
     job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
     job["spec"]["target"]["steps"] = RUN_STEPS
     job["spec"]["target"]["data"]["seqLen"] = 64
-    job["spec"]["target"]["checkpoint"] = {"everySteps": RUN_STEPS, "keep": 1}
+    job["spec"]["target"]["checkpoint"] |= {"everySteps": RUN_STEPS, "keep": 1}
     path = tmp_path / "demo.yaml"
     path.write_text(yaml.safe_dump(job))
     return path

@@ -28,7 +28,7 @@ def rl_manifest(tmp_path: Path, steps: int) -> Path:
     job = yaml.safe_load((ROOT / "examples" / "demo-rl.yaml").read_text())
     t = job["spec"]["target"]
     t["steps"] = steps
-    t["checkpoint"] = {"everySteps": 4, "keep": 2}
+    t["checkpoint"] |= {"everySteps": 4, "keep": 2}
     t["data"]["batchSize"] = 4
     t["rl"].update(groupSize=4, maxNewTokens=32)
     t["env"] = [{"name": "SPECTRAIN_RL_WARMUP_STEPS", "value": "30"}, {"name": "SPECTRAIN_RL_PLAIN_EVERY", "value": "4"}]
@@ -64,8 +64,8 @@ FIRST, RESUMED = 28, 32
 
 def test_rl_run_trains_the_drafter_in_rollout_tails_and_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    data = run_volume(run_dir)
     run(rl_manifest(tmp_path, steps=FIRST), run_dir)
+    data = run_volume(run_dir)
 
     # RolloutTail windows, closed with their measured length.
     windows = jsonl(data / "metrics" / "windows-rank-0.jsonl")

@@ -53,6 +53,7 @@ def test_empty_scheduling_changes_nothing_but_kueue() -> None:
     pod = bare_pod()
     before = copy.deepcopy(pod)
     assert scheduling.apply(pod, job) == []
+    pod["spec"].pop("affinity", None)        # the spread over nodes (test_a_jobs_pods_prefer_different_nodes)
     assert pod == before
 
 
@@ -147,3 +148,20 @@ def test_kueue_release_names_the_pods_kueue_still_holds() -> None:
             pod("d", ["other", *held])]
     assert scheduling.kueue_release(pods) == ["a", "d"]
     assert scheduling.kueue_release([]) == []
+
+
+def test_a_jobs_pods_prefer_different_nodes() -> None:
+    """One pod per node: the scheduler is asked to spread a job's pods over nodes (preferred, so a
+    cluster with fewer nodes still runs them)."""
+    from spectrain_operator import builders
+    from spectrain_operator import spec as specmod
+
+    job = specmod.defaulted(specmod.load_manifests(ROOT / "examples" / "demo.yaml")[0])
+    p, _ = builders.pod(job, 1)
+    (term,) = p["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"] == {"labelSelector": {"matchLabels": {"spectrain.io/job-name": "demo"}},
+                                       "topologyKey": "kubernetes.io/hostname"}
+    job["spec"]["target"]["nodes"] = 1
+    job["spec"]["target"]["parallelism"] = {"data": 1, "pipeline": 1, "microbatches": 1}
+    p, _ = builders.pod(job, 0)
+    assert "affinity" not in p["spec"]

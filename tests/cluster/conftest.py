@@ -1,0 +1,26 @@
+"""Fixtures of the real-node tier: `real_cluster`, a real two-node cluster for the whole session
+(tests/cluster/realcluster.py; needs root; SPECTRAIN_CLUSTER_KEEP=1 leaves it up afterwards).
+
+    def test_x(real_cluster):
+        real_cluster.load_image("/path/image.tar")      # into both nodes' containerd
+        api = real_cluster.api_client()                 # kubernetes.client.ApiClient (admin)
+        # or: kubectl --kubeconfig real_cluster.kubeconfig ...
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.cluster.realcluster import RealCluster
+from tests.cluster.realcluster import real_cluster as _real_cluster
+
+
+@pytest.fixture(scope="session")
+def real_cluster() -> Iterator[RealCluster]:
+    if os.geteuid() != 0:
+        pytest.skip("the real-node cluster needs root (network namespaces, cgroups, mounts)")
+    with _real_cluster() as cluster:
+        yield cluster
