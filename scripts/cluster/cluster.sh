@@ -7,6 +7,7 @@
 #   scripts/cluster/cluster.sh status             print what runs; exit 0 when the cluster is up
 #   scripts/cluster/cluster.sh env                print `export KUBECONFIG=...` (host kubectl/python)
 #   scripts/cluster/cluster.sh load-image ARCHIVE import a docker/OCI archive into both nodes
+#   scripts/cluster/cluster.sh kill-container NODE ID  SIGKILL a container (a crash, for fault tests)
 #
 # Layout (each member in its own network namespace, its own PID + private mount namespace with
 # scripts/cluster/supervise.sh as PID 1):
@@ -672,12 +673,22 @@ load_image() {
   log "imported $archive into ${#todo[@]} of ${#NODES[@]} nodes (the others had it) in $(( $(now_ms) - t0 )) ms"
 }
 
+kill_container() {  # kill_container NODE CONTAINER_ID: SIGKILL a container's task, as a crash would
+  local node=$1 id=${2#containerd://} n
+  n=${node#spectrain-n}
+  [[ " ${NODES[*]} " == *" $n "* ]] || die "no node $node (spectrain-n1 or spectrain-n2)"
+  is_up || die "the cluster is not up: run $0 up"
+  bins
+  ctr_in "$n" -n k8s.io tasks kill -s SIGKILL "$id" >&2 || die "ctr tasks kill $id on $node failed (see above)"
+}
+
 case "${1:-}" in
   up) up ;;
   down) down "${2:-}" ;;
   status) status ;;
   env) [[ -f "$STATE/admin.kubeconfig" ]] || die "the cluster is not up: run $0 up"; print_env ;;
   load-image) [[ $# == 2 ]] || die "usage: $0 load-image ARCHIVE"; load_image "$2" ;;
+  kill-container) [[ $# == 3 ]] || die "usage: $0 kill-container NODE CONTAINER_ID"; kill_container "$2" "$3" ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
-  *) die "unknown command $1 (up|down|status|env|load-image ARCHIVE)" ;;
+  *) die "unknown command $1 (up|down|status|env|load-image ARCHIVE|kill-container NODE ID)" ;;
 esac

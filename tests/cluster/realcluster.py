@@ -43,6 +43,11 @@ class RealCluster:
         """Import a docker/OCI archive into every node's containerd (pods: imagePullPolicy Never)."""
         _run("bash", str(CLUSTER_SH), "load-image", str(archive), timeout=900)
 
+    def kill_container(self, node: str, container_id: str) -> None:
+        """SIGKILL a container's process on `node` (containerStatuses[].containerID), as a crash
+        would: no SIGTERM, no cleanup; the kubelet sees it exit 137."""
+        _run("bash", str(CLUSTER_SH), "kill-container", node, container_id, timeout=60)
+
     def test_image(self) -> str:
         """Build (cached) and load the small smoke-test image; return its name."""
         archive = _run("bash", str(TEST_IMAGE_SH), timeout=900).strip().splitlines()[-1]

@@ -145,7 +145,10 @@ class Stack:
             if st.get("phase") == "Failed" and phase != "Failed":
                 raise AssertionError(f"job {name} Failed: {json.dumps(st, indent=1)[:3000]}\n{self.describe(name)}")
             return st.get("phase") == phase
-        wait_for(reached, timeout, 1.0, f"job {name} {phase}")
+        try:
+            wait_for(reached, timeout, 1.0, f"job {name} {phase}")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}: {json.dumps(self.status(name), indent=1)[:3000]}\n{self.describe(name)}") from None
         return self.status(name)
 
     def pods(self, name: str) -> list[Any]:

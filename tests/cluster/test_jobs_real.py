@@ -12,18 +12,25 @@ only succeed.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from kubernetes import client
 
 from spectrain_api import rundir
+from spectrain_api.names import KIND
 from tests.cluster.realcluster import RealCluster
-from tests.cluster.stack import Stack, installed
+from tests.cluster.stack import GROUP, OPERATOR_NS, PLURAL, VERSION, Stack, installed
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
 JOB_TIMEOUT_S = 900.0
+LEASE = "spectrain-operator"       # the chart's leaderElection.leaseName
+LEASE_DURATION_S = 15              # its leaderElection.leaseDurationSeconds
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +92,104 @@ def test_container_logs_show_progress(stack: Stack, demo: dict) -> None:
 def test_kubectl_get_shows_the_figures(stack: Stack, demo: dict) -> None:
     out = stack.kubectl("-n", stack.ns, "get", "stj", demo["name"])
     assert "Succeeded" in out, out
+
+
+def test_leader_failover_hands_over_within_the_lease_and_reconciles_a_new_job(stack: Stack) -> None:
+    """The chart's 2 operator replicas: SIGKILL the Lease holder's container (no graceful release);
+    the other replica holds the Lease within leaseDurationSeconds (+ its retry period) and
+    reconciles a job created meanwhile."""
+    coord = client.CoordinationV1Api(stack.api)
+    pods = stack.core.list_namespaced_pod(OPERATOR_NS, label_selector="app.kubernetes.io/name=spectrain-operator").items
+    assert len(pods) == 2
+
+    def holder_pod() -> Any:     # holderIdentity is <pod name>_<per-process suffix>
+        holder = coord.read_namespaced_lease(LEASE, OPERATOR_NS).spec.holder_identity or ""
+        return next((p for p in pods if holder.startswith(p.metadata.name + "_")), None)
+
+    # a Lease left by an earlier install expires first
+    wait_for(lambda: holder_pod() is not None, LEASE_DURATION_S + 30, 0.2, "a replica of this install leading")
+    leader = coord.read_namespaced_lease(LEASE, OPERATOR_NS).spec.holder_identity
+    victim = holder_pod()
+    (status,) = victim.status.container_statuses
+    t0 = time.monotonic()
+    stack.cluster.kill_container(victim.spec.node_name, status.container_id)
+    stack.apply({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+                 "metadata": {"name": "after-failover", "namespace": stack.ns},
+                 "spec": {"target": {"image": stack.workloads_image, "nodes": 2, "command": ["sh", "-c", "exit 0"],
+                                     "parallelism": {"data": 2}},
+                          "drafter": {"enabled": False}, "gpuSharing": {"mode": "None"}}})
+
+    def handed_over() -> bool:
+        holder = coord.read_namespaced_lease(LEASE, OPERATOR_NS).spec.holder_identity
+        return bool(holder) and holder != leader
+
+    wait_for(handed_over, LEASE_DURATION_S + 30, 0.2, "another replica holding the Lease")
+    failover_s = time.monotonic() - t0
+    assert failover_s <= LEASE_DURATION_S + 10, failover_s
+    stack.wait_phase("after-failover", "Succeeded", 300)
+    print(f"leader_failover_s {failover_s:.1f}")
+
+
+PROBE = ("import socket, sys\n"
+         "try:\n"
+         "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close()\n"
+         "except OSError as exc:\n"
+         "    print('refused:', exc); sys.exit(3)\n"
+         "print('connected')\n")
+
+
+def test_the_jobs_network_policy_keeps_other_namespaces_out(stack: Stack) -> None:
+    """The job's NetworkPolicy, enforced (kube-router): its pods reach each other's rendezvous port
+    across nodes; a pod of another namespace cannot open it, and can open the same port of a job
+    whose policy is off (so the refusal is the policy's)."""
+    assert stack.cluster.netpol, "kube-router is not running: NetworkPolicy would not be enforced"
+    serve = ["python3", "-c", "import http.server as h; h.ThreadingHTTPServer(('', 29500), h.BaseHTTPRequestHandler)"
+             ".serve_forever()"]
+    ips = {}
+    for name, enabled in (("np", True), ("np-off", False)):
+        stack.apply({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": name, "namespace": stack.ns},
+                     "spec": {"target": {"image": stack.workloads_image, "nodes": 2, "command": serve,
+                                         "parallelism": {"data": 2}},
+                              "drafter": {"enabled": False}, "gpuSharing": {"mode": "None"},
+                              "networkPolicy": {"enabled": enabled}}})
+    for name in ("np", "np-off"):
+        stack.wait_phase(name, "Running", 300)
+        pods = {p.metadata.name: p for p in stack.pods(name)}
+        ips[name] = pods[f"{name}-0"].status.pod_ip
+        assert pods[f"{name}-0"].spec.node_name != pods[f"{name}-1"].spec.node_name
+    inside = stack.kubectl("-n", stack.ns, "exec", "np-1", "-c", "target", "--", "python3", "-c", PROBE,
+                           ips["np"], "29500")
+    assert "connected" in inside
+    outsider_ns = f"{stack.ns}-out"
+    stack.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=outsider_ns)))
+    try:
+        wait_for(lambda: _has_default_sa(stack, outsider_ns), 60, 0.2, "ServiceAccount default")
+        outcome = {}
+        for name, ip in ips.items():
+            stack.core.create_namespaced_pod(outsider_ns, client.V1Pod(
+                metadata=client.V1ObjectMeta(name=f"outsider-{name}"),
+                spec=client.V1PodSpec(restart_policy="Never", containers=[client.V1Container(
+                    name="probe", image=stack.workloads_image, image_pull_policy="IfNotPresent",
+                    command=["python3", "-c", PROBE, ip, "29500"])])))
+        for name in ips:
+            pod = f"outsider-{name}"
+            wait_for(lambda pod=pod: stack.core.read_namespaced_pod(pod, outsider_ns).status.phase
+                     in ("Succeeded", "Failed"), 120, 0.5, f"{pod}'s probe finished")
+            outcome[name] = (stack.core.read_namespaced_pod(pod, outsider_ns).status.phase,
+                             stack.core.read_namespaced_pod_log(pod, outsider_ns))
+        assert outcome["np"][0] == "Failed" and "refused" in outcome["np"][1], outcome
+        assert outcome["np-off"][0] == "Succeeded" and "connected" in outcome["np-off"][1], outcome
+    finally:
+        stack.core.delete_namespace(outsider_ns)
+        for name in ips:
+            stack.custom.delete_namespaced_custom_object(GROUP, VERSION, stack.ns, PLURAL, name)
+
+
+def _has_default_sa(stack: Stack, ns: str) -> bool:
+    try:
+        stack.core.read_namespaced_service_account("default", ns)
+        return True
+    except client.exceptions.ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
