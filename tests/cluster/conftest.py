@@ -1,4 +1,4 @@
-"""Fixtures of the real-node tier: `real_cluster`, a real two-node cluster for the whole session
+"""Fixtures of the real-node tier: `real_cluster`, a real two-node cluster for the tests of this package
 (tests/cluster/realcluster.py; needs root; SPECTRAIN_CLUSTER_KEEP=1 leaves it up afterwards).
 
     def test_x(real_cluster):
@@ -18,7 +18,9 @@ from tests.cluster.realcluster import RealCluster
 from tests.cluster.realcluster import real_cluster as _real_cluster
 
 
-@pytest.fixture(scope="session")
+# Package scope: the cluster goes down when tests/cluster is done, not at the end of the whole
+# suite, so its control loops do not load the 2 cores under the later tiers.
+@pytest.fixture(scope="package")
 def real_cluster() -> Iterator[RealCluster]:
     if os.geteuid() != 0:
         pytest.skip("the real-node cluster needs root (network namespaces, cgroups, mounts)")

@@ -36,7 +36,8 @@ def _pods(root: Path) -> list[Pod]:
     peers = ",".join(f"127.0.0.1:{p}" for p in ports[:WORLD])
     key = root / "fleet.key"
     key.write_text(os.urandom(32).hex() + "\n")
-    target = {"nodes": WORLD, "parallelism": {"data": 2, "pipeline": PIPELINE, "microbatches": 2}}
+    target = {"nodes": WORLD, "parallelism": {"data": 2, "pipeline": PIPELINE, "microbatches": 2},
+              "checkpoint": {"claimName": "run"}}      # the processes share one run directory
     drafter = {"activation": {"safetyMarginMs": 1}, "exchange": {"combineEverySeconds": 1, "engine": "AllReduce"}}
     return [Pod(root / f"pod-{r}", drafter=drafter, target=target,
                 settings={"checkpoint_every_s": 1.0, "verify_every_s": 1.0, "samples_per_step": 4},

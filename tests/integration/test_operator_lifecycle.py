@@ -420,7 +420,7 @@ def test_active_deadline_fails_the_job(env: Env) -> None:
 def test_semantic_and_cel_only_errors_fail_with_spec_invalid_and_no_children(env: Env) -> None:
     for name, spec, cel_rule in [
         ("inv-layers", {"target": {"image": "i", "nodes": 3, "parallelism": {"pipeline": 3, "microbatches": 3},
-                                        "data": {"batchSize": 6}}}, False),
+                                        "data": {"batchSize": 6}}, "drafter": {"enabled": False}}, False),
         ("inv-cel", {"target": {"image": "i", "nodes": 3, "parallelism": {"data": 1, "pipeline": 2}}}, True),
     ]:
         if cel_rule and env.kube.enforces_cel:  # the server refuses it; 1.20 has no CEL: the operator does
