@@ -29,10 +29,12 @@ require_tools() {
   for t in "$@"; do command -v "$t" >/dev/null || die "$t still missing after apt-get install $IMG_TOOLS_APT"; done
 }
 
-# sha256 of the given files' names and contents plus any extra strings (in order).
+# sha256 of the given files' names (relative to the repository, so that another checkout of the same
+# files hits the same cache) and contents, plus any extra strings (in order).
+IMG_REPO_ROOT=$(cd "$_here/../.." && pwd)
 inputs_sha256() {
   { for f in "$@"; do
-      if [ -f "$f" ]; then printf 'file %s\n' "$f"; sha256sum <"$f"; else printf 'str %s\n' "$f"; fi
+      if [ -f "$f" ]; then printf 'file %s\n' "${f#"$IMG_REPO_ROOT"/}"; sha256sum <"$f"; else printf 'str %s\n' "$f"; fi
     done; } | sha256sum | cut -c1-64
 }
 

@@ -18,7 +18,8 @@ from kubernetes.client.exceptions import ApiException
 from tests.cluster.realcluster import RealCluster
 from tests.waiting import wait_for
 
-pytestmark = pytest.mark.integration
+# The first test builds what is missing (cold: the node binaries, the images, helm: tens of minutes).
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
 
 TIMEOUT = 90.0
 

@@ -26,7 +26,8 @@ from tests.cluster.realcluster import RealCluster
 from tests.cluster.stack import GROUP, OPERATOR_NS, PLURAL, VERSION, Stack, installed
 from tests.waiting import wait_for
 
-pytestmark = pytest.mark.integration
+# The first test builds what is missing (cold: the node binaries, the images, helm: tens of minutes).
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
 
 JOB_TIMEOUT_S = 900.0
 LEASE = "spectrain-operator"       # the chart's leaderElection.leaseName
