@@ -99,3 +99,14 @@ def test_local_emptydirs_are_private_to_their_pod_and_claims_are_shared(tmp_path
     run = local_layout.plan(shared, tmp_path / "shared", shm_dir=tmp_path / "shm")
     assert {c.env["SPECTRAIN_RUN_DIR"] for c in run.containers if "SPECTRAIN_RUN_DIR" in c.env} == {
         str(tmp_path / "shared" / "pvc" / "pretrain-dp-ckpt")}
+
+
+def test_run_volume_names_the_fix_when_each_pod_has_its_own(tmp_path: Path) -> None:
+    job = yaml.safe_load((ROOT / "examples" / "pretrain-dp.yaml").read_text())
+    del job["spec"]["target"]["checkpoint"]["claimName"]
+    local_layout.plan(job, tmp_path / "own", shm_dir=tmp_path / "shm")
+    with pytest.raises(SystemExit, match=r"2 run volumes .*set spec.target.checkpoint.claimName"):
+        local_layout.run_volume(tmp_path / "own")
+    shared = yaml.safe_load((ROOT / "examples" / "pretrain-dp.yaml").read_text())
+    local_layout.plan(shared, tmp_path / "shared", shm_dir=tmp_path / "shm")
+    assert local_layout.run_volume(tmp_path / "shared") == tmp_path / "shared" / "pvc" / "pretrain-dp-ckpt"

@@ -553,6 +553,17 @@ def test_a_job_whose_drafter_never_trained_says_so_once() -> None:
     assert not [e for e in again.events if e.reason == "DrafterNeverTrained"], "one Event, not one per pass"
 
 
+def test_never_trained_takes_only_a_bounded_plain_reason_from_the_pods_reports() -> None:
+    """status.reports is written by the job's containers: what reaches the condition is bounded."""
+    j = job(created_status())
+    pods = [pod(j, n, phase="Succeeded", target=exited(0)) for n in range(2)]
+    hostile = json.dumps({"state": {"x": 1}, "reason": "No Ring/<script>" * 200, "harvestedSeconds": 0})
+    j["status"][STATUS_REPORTS] = reports(pods, n0={REPORT_DRAFTER: hostile}, n1={REPORT_DRAFTER: hostile})
+    c = cond(st.decide(j, pods, NOW), "DrafterNeverTrained")
+    assert c is not None and c["reason"].isalnum() and len(c["reason"]) <= 128
+    assert len(c["message"]) <= 2000
+
+
 def test_a_job_whose_drafter_harvested_or_was_off_has_no_never_trained_condition() -> None:
     j = job(created_status())
     pods = [pod(j, n, phase="Succeeded", target=exited(0)) for n in range(2)]
