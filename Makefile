@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP) ## create .venv with everything (CPU torch pinned)
 
 test: $(STAMP) kube-binaries prometheus-binaries ## unit + integration tests (real kube-apiserver, real Prometheus, real processes)
-	$(PY) -m pytest tests -m "not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not e2e" --durations=30 $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## unit tests only (seconds)
 	$(PY) -m pytest tests -m unit $(PYTEST_ARGS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +37,8 @@ GROUP, VERSION = API_VERSION.split("/")
 PLURAL = "spectrainjobs"
 OPERATOR_NS = "spectrain-system"
 RELEASE = "spectrain"
+LEASE = "spectrain-operator"       # the chart's leaderElection.leaseName
+LEASE_DURATION_S = 15              # its leaderElection.leaseDurationSeconds
 IMAGE_UID = 1000           # the workloads image's user (spectrain_api.names.IMAGE_UID)
 
 
@@ -113,6 +116,35 @@ class Stack:
                  60, 0.2, f"claim {name} bound")
         return d
 
+    # ------------------------------------------------------------------ the operator
+    def operator_pods(self) -> list[Any]:
+        return list(self.core.list_namespaced_pod(
+            OPERATOR_NS, label_selector="app.kubernetes.io/name=spectrain-operator").items)
+
+    def lease_holder(self) -> str:
+        return str(client.CoordinationV1Api(self.api).read_namespaced_lease(LEASE, OPERATOR_NS).spec.holder_identity
+                   or "")
+
+    def leader_pod(self) -> Any:
+        """The operator pod holding the Lease (holderIdentity is <pod name>_<per-process suffix>),
+        once one of this install does (a Lease left by an earlier install expires first)."""
+        def find() -> Any:
+            holder = self.lease_holder()
+            return next((p for p in self.operator_pods() if holder.startswith(p.metadata.name + "_")), None)
+        return wait_for(find, LEASE_DURATION_S + 30, 0.2, "a replica of this install leading")
+
+    def kill_leader(self) -> tuple[str, float]:
+        """SIGKILL the leading replica's container (no graceful release of the Lease); wait until
+        another replica holds it. Returns (the old holder, seconds from the kill to the handover)."""
+        victim = self.leader_pod()
+        leader = self.lease_holder()
+        (status,) = victim.status.container_statuses
+        t0 = time.monotonic()
+        self.cluster.kill_container(victim.spec.node_name, status.container_id)
+        wait_for(lambda: self.lease_holder() not in ("", leader), LEASE_DURATION_S + 30, 0.2,
+                 "another replica holding the Lease")
+        return leader, time.monotonic() - t0
+
     # ------------------------------------------------------------------ jobs
     def example(self, path: str) -> dict[str, Any]:
         """examples/<path> unchanged but for the image (the one built here) and the namespace."""
@@ -123,6 +155,14 @@ class Stack:
 
     def apply(self, manifest: dict[str, Any]) -> None:
         self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, manifest)
+
+    def delete(self, name: str) -> None:
+        """Delete a job if it is there (its children go with it: ownerReferences)."""
+        try:
+            self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def job(self, name: str) -> dict[str, Any] | None:
         try:
@@ -167,7 +207,10 @@ class Stack:
     def describe(self, name: str) -> str:
         """What a person would look at when a job goes wrong (for assertion messages)."""
         out = [self.kubectl("-n", self.ns, "describe", "stj", name)]
-        for p in self.pods(name):
+        pods = self.pods(name)
+        if pods:
+            out.append(self.kubectl("-n", self.ns, "describe", "pod", *(p.metadata.name for p in pods))[-6000:])
+        for p in pods:
             for c in ("target", "drafter"):
                 out.append(f"--- {p.metadata.name}/{c}\n{self.logs(p.metadata.name, c)[-3000:]}")
         out.append(self.kubectl("-n", OPERATOR_NS, "logs", "--tail=80", "-l",

@@ -12,32 +12,21 @@ only succeed.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kubernetes import client
 
 from spectrain_api import rundir
 from spectrain_api.names import KIND
-from tests.cluster.realcluster import RealCluster
-from tests.cluster.stack import GROUP, OPERATOR_NS, PLURAL, VERSION, Stack, installed
+from spectrain_operator.builders import MASTER_PORT, TARGET_METRICS_PORT
+from tests.cluster.stack import GROUP, LEASE_DURATION_S, PLURAL, VERSION, Stack
 from tests.waiting import wait_for
 
 # The first test builds what is missing (cold: the node binaries, the images, helm: tens of minutes).
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
 
 JOB_TIMEOUT_S = 900.0
-LEASE = "spectrain-operator"       # the chart's leaderElection.leaseName
-LEASE_DURATION_S = 15              # its leaderElection.leaseDurationSeconds
-
-
-@pytest.fixture(scope="module")
-def stack(real_cluster: RealCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with installed(real_cluster, tmp_path_factory.mktemp("stack")) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")
@@ -103,39 +92,21 @@ def test_kubectl_get_shows_the_figures(stack: Stack, demo: dict) -> None:
 def test_leader_failover_hands_over_within_the_lease_and_reconciles_a_new_job(stack: Stack) -> None:
     """The chart's 2 operator replicas: SIGKILL the Lease holder's container (no graceful release);
     the other replica holds the Lease within leaseDurationSeconds (+ its retry period) and
-    reconciles a job created meanwhile."""
-    coord = client.CoordinationV1Api(stack.api)
-    pods = stack.core.list_namespaced_pod(OPERATOR_NS, label_selector="app.kubernetes.io/name=spectrain-operator").items
-    assert len(pods) == 2
-
-    def holder_pod() -> Any:     # holderIdentity is <pod name>_<per-process suffix>
-        holder = coord.read_namespaced_lease(LEASE, OPERATOR_NS).spec.holder_identity or ""
-        return next((p for p in pods if holder.startswith(p.metadata.name + "_")), None)
-
-    # a Lease left by an earlier install expires first
-    wait_for(lambda: holder_pod() is not None, LEASE_DURATION_S + 30, 0.2, "a replica of this install leading")
-    leader = coord.read_namespaced_lease(LEASE, OPERATOR_NS).spec.holder_identity
-    victim = holder_pod()
-    (status,) = victim.status.container_statuses
-    t0 = time.monotonic()
-    stack.cluster.kill_container(victim.spec.node_name, status.container_id)
+    reconciles a job created after the kill."""
+    assert len(stack.operator_pods()) == 2
+    _, failover_s = stack.kill_leader()
     stack.apply({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
                  "metadata": {"name": "after-failover", "namespace": stack.ns},
                  "spec": {"target": {"image": stack.workloads_image, "nodes": 2, "command": ["sh", "-c", "exit 0"],
                                      "parallelism": {"data": 2}},
                           "drafter": {"enabled": False}, "gpuSharing": {"mode": "None"}}})
-
-    def handed_over() -> bool:
-        holder = coord.read_namespaced_lease(LEASE, OPERATOR_NS).spec.holder_identity
-        return bool(holder) and holder != leader
-
-    wait_for(handed_over, LEASE_DURATION_S + 30, 0.2, "another replica holding the Lease")
-    failover_s = time.monotonic() - t0
     assert failover_s <= LEASE_DURATION_S + 10, failover_s
     stack.wait_phase("after-failover", "Succeeded", 300)
     print(f"leader_failover_s {failover_s:.1f}")
 
 
+RENDEZVOUS = MASTER_PORT            # the target's c10d store
+METRICS = TARGET_METRICS_PORT      # local rank 0's
 PROBE = ("import socket, sys\n"
          "try:\n"
          "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close()\n"
@@ -146,49 +117,67 @@ PROBE = ("import socket, sys\n"
 
 def test_the_jobs_network_policy_keeps_other_namespaces_out(stack: Stack) -> None:
     """The job's NetworkPolicy, enforced (kube-router): its pods reach each other's rendezvous port
-    across nodes; a pod of another namespace cannot open it, and can open the same port of a job
-    whose policy is off (so the refusal is the policy's)."""
+    across nodes; a pod of another namespace cannot open it, nor the metrics port unless its
+    namespace is one of spec.networkPolicy.metricsFrom; it can open the same port of a job whose
+    policy is off (so the refusals are the policy's)."""
     assert stack.cluster.netpol, "kube-router is not running: NetworkPolicy would not be enforced"
-    serve = ["python3", "-c", "import http.server as h; h.ThreadingHTTPServer(('', 29500), h.BaseHTTPRequestHandler)"
-             ".serve_forever()"]
+    serve = ["python3", "-c", "import http.server as h, threading, sys\n"
+             "for p in sys.argv[1:]:\n"
+             "    s = h.ThreadingHTTPServer(('', int(p)), h.BaseHTTPRequestHandler)\n"
+             "    threading.Thread(target=s.serve_forever).start()\n", str(RENDEZVOUS), str(METRICS)]
+    allowed = {"spectrain-test/scrapes": "yes"}
     ips = {}
     for name, enabled in (("np", True), ("np-off", False)):
         stack.apply({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": name, "namespace": stack.ns},
                      "spec": {"target": {"image": stack.workloads_image, "nodes": 2, "command": serve,
                                          "parallelism": {"data": 2}},
                               "drafter": {"enabled": False}, "gpuSharing": {"mode": "None"},
-                              "networkPolicy": {"enabled": enabled}}})
+                              "networkPolicy": {"enabled": enabled, "metricsFrom": {"matchLabels": allowed}}}})
     for name in ("np", "np-off"):
         stack.wait_phase(name, "Running", 300)
         pods = {p.metadata.name: p for p in stack.pods(name)}
         ips[name] = pods[f"{name}-0"].status.pod_ip
         assert pods[f"{name}-0"].spec.node_name != pods[f"{name}-1"].spec.node_name
     inside = stack.kubectl("-n", stack.ns, "exec", "np-1", "-c", "target", "--", "python3", "-c", PROBE,
-                           ips["np"], "29500")
+                           ips["np"], str(RENDEZVOUS))
     assert "connected" in inside
-    outsider_ns = f"{stack.ns}-out"
-    stack.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=outsider_ns)))
+    outsider, monitoring = f"{stack.ns}-out", f"{stack.ns}-mon"
+    for ns, labels in ((outsider, {}), (monitoring, allowed)):
+        stack.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns, labels=labels)))
     try:
-        wait_for(lambda: _has_default_sa(stack, outsider_ns), 60, 0.2, "ServiceAccount default")
-        outcome = {}
-        for name, ip in ips.items():
-            stack.core.create_namespaced_pod(outsider_ns, client.V1Pod(
-                metadata=client.V1ObjectMeta(name=f"outsider-{name}"),
-                spec=client.V1PodSpec(restart_policy="Never", containers=[client.V1Container(
-                    name="probe", image=stack.workloads_image, image_pull_policy="IfNotPresent",
-                    command=["python3", "-c", PROBE, ip, "29500"])])))
-        for name in ips:
-            pod = f"outsider-{name}"
-            wait_for(lambda pod=pod: stack.core.read_namespaced_pod(pod, outsider_ns).status.phase
-                     in ("Succeeded", "Failed"), 120, 0.5, f"{pod}'s probe finished")
-            outcome[name] = (stack.core.read_namespaced_pod(pod, outsider_ns).status.phase,
-                             stack.core.read_namespaced_pod_log(pod, outsider_ns))
-        assert outcome["np"][0] == "Failed" and "refused" in outcome["np"][1], outcome
-        assert outcome["np-off"][0] == "Succeeded" and "connected" in outcome["np-off"][1], outcome
+        probes = {("out", "np", RENDEZVOUS): "refused", ("out", "np", METRICS): "refused",
+                  ("mon", "np", RENDEZVOUS): "refused", ("mon", "np", METRICS): "connected",
+                  ("out", "np-off", RENDEZVOUS): "connected"}
+        seen = _probe_all(stack, {k: ({"out": outsider, "mon": monitoring}[k[0]], ips[k[1]], k[2]) for k in probes})
+        assert seen == probes, seen
     finally:
-        stack.core.delete_namespace(outsider_ns)
+        for ns in (outsider, monitoring):
+            stack.core.delete_namespace(ns)
         for name in ips:
             stack.custom.delete_namespaced_custom_object(GROUP, VERSION, stack.ns, PLURAL, name)
+
+
+def _probe_all(stack: Stack, probes: dict[tuple, tuple[str, str, int]]) -> dict[tuple, str]:
+    """One pod per probe (namespace, ip, port), all at once: 'connected' or 'refused' each."""
+    for ns in {ns for ns, _, _ in probes.values()}:
+        wait_for(lambda ns=ns: _has_default_sa(stack, ns), 60, 0.2, f"ServiceAccount default in {ns}")
+    names = {}
+    for i, (key, (ns, ip, port)) in enumerate(probes.items()):
+        names[key] = (ns, f"probe-{i}")
+        stack.core.create_namespaced_pod(ns, client.V1Pod(
+            metadata=client.V1ObjectMeta(name=f"probe-{i}"),
+            spec=client.V1PodSpec(restart_policy="Never", containers=[client.V1Container(
+                name="probe", image=stack.workloads_image, image_pull_policy="IfNotPresent",
+                command=["python3", "-c", PROBE, ip, str(port)])])))
+    seen = {}
+    for key, (ns, pod) in names.items():
+        wait_for(lambda ns=ns, pod=pod: stack.core.read_namespaced_pod(pod, ns).status.phase in ("Succeeded", "Failed"),
+                 120, 0.5, f"{ns}/{pod}'s probe finished")
+        log = stack.core.read_namespaced_pod_log(pod, ns)
+        phase = stack.core.read_namespaced_pod(pod, ns).status.phase
+        seen[key] = "connected" if phase == "Succeeded" and "connected" in log else \
+            "refused" if phase == "Failed" and "refused" in log else f"{phase}: {log}"
+    return seen
 
 
 def _has_default_sa(stack: Stack, ns: str) -> bool:

@@ -144,7 +144,7 @@ class ModeLoop:
                 losses.append(report.loss)
                 rt.metrics.step(step=step + self.metrics_step_offset, loss=report.loss,
                                 step_time_s=report.step_time_s, tokens=report.tokens, extra=report.extra,
-                                final=step + 1 == steps)
+                                final=step + 1 == steps, completed=step + 1)
                 if (step + 1) % every == 0 or step + 1 == steps:
                     with self.term.state_lock:
                         self.save(step + 1)

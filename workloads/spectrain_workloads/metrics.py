@@ -118,7 +118,11 @@ class MetricsWriter:
         return out
 
     def step(self, *, step: int, loss: float | None, step_time_s: float, tokens: int,
-             extra: dict[str, Any] | None = None, final: bool = False) -> dict[str, Any]:
+             extra: dict[str, Any] | None = None, final: bool = False, completed: int | None = None) -> dict[str, Any]:
+        """Record step `step` (the metrics lines' key: 0-based for Pretrain, 1-based for RL);
+        `completed`: steps done so far (default step + 1), what the log line and the job's
+        status.progress.step show."""
+        done = step + 1 if completed is None else completed
         wins = self._take_windows()
         for w in wins:
             self._win_f.write(json.dumps(w) + "\n")
@@ -149,20 +153,20 @@ class MetricsWriter:
         now = time.monotonic()
         self._idle_since_log += sum(idle.values())
         if final or now - self._last_log >= LOG_INTERVAL_S:
-            self._log_line(step, loss, step_time_s, tps, now)
+            self._log_line(done, loss, step_time_s, tps, now)
         if self.progress and (final or now - self._last_progress >= self.progress_interval_s):
             self._last_progress = now
             write_progress(self.run_dir, {
-                "step": step, "totalSteps": self.total_steps, "loss": loss, "tokensPerSecond": tps,
+                "step": done, "totalSteps": self.total_steps, "loss": loss, "tokensPerSecond": tps,
                 "updatedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, flush=final)
         return line
 
-    def _log_line(self, step: int, loss: float | None, step_time_s: float, tps: float, now: float) -> None:
+    def _log_line(self, done: int, loss: float | None, step_time_s: float, tps: float, now: float) -> None:
         """One line on stderr (what `kubectl logs` shows): the first step, then every LOG_INTERVAL_S."""
         span = now - self._last_log if self._last_log > 0 else None
         idle = f" idle {self._idle_since_log / span:.0%} of the last {span:.0f} s" if span else ""
         loss_s = "n/a" if loss is None else f"{loss:.4f}"
-        print(f"[spectrain-target rank {self.rank}] step {step + 1}/{self.total_steps or '?'} loss {loss_s} "
+        print(f"[spectrain-target rank {self.rank}] step {done}/{self.total_steps or '?'} loss {loss_s} "
               f"step {step_time_s * 1e3:.1f} ms {tps:.0f} tokens/s{idle}", file=sys.stderr, flush=True)
         self._last_log, self._idle_since_log = now, 0.0
 

@@ -11,6 +11,7 @@ field, the file and the fix. Needs no torch: the safetensors header is JSON afte
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,11 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
             header = json.loads(fh.read(n))
             if not isinstance(header, dict):
                 raise ValueError("its header is not a JSON object")
+    except PermissionError as exc:
+        raise ConfigError(f"{FIELD}: {path} cannot be read by this process (uid {os.getuid()}, groups "
+                          f"{sorted(os.getgroups())}): {exc}. Make the model files readable by the pods' user or "
+                          "fsGroup, e.g. `chmod -R a+rX` the model directory on the volume (save_pretrained "
+                          "writes model.safetensors with mode 0600)") from exc
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{FIELD}: {path} is not a readable safetensors file ({exc}); re-copy the model "
                           "files into the volume") from exc

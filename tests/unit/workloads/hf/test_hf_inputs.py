@@ -256,3 +256,39 @@ def test_generate_refuses_a_preset_or_other_architecture_drafter(llama: Path, tm
     export_drafter(tmp_path / "qwen-drafter", 1, HFEagleDrafter(json.loads((qwen / "config.json").read_text())), {})
     with pytest.raises(ConfigError, match=r"trained for \['Qwen2ForCausalLM'\], the target is \['LlamaForCausalLM'\]"):
         generate.load_matching_drafter(str(tmp_path / "qwen-drafter"), src)
+
+
+def test_weights_the_pods_user_cannot_read_name_the_fix(llama: Path, tmp_path: Path) -> None:
+    """A model copied into a volume keeps save_pretrained's 0600 weights: the pods' user (not the
+    files' owner) gets an error that says to make them readable, not to re-copy them. Checked as
+    that user in a forked child (the test process is root here, and root reads everything)."""
+    import os
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the check as another user")
+    d = copy(llama, tmp_path / "private")
+    (d / "model.safetensors").chmod(0o600)
+    for p in (d, *d.parents):
+        if p.stat().st_mode & 0o005 != 0o005:
+            p.chmod(p.stat().st_mode | 0o005)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                     # child: become UID/GID 1000, report what inspect says, exit
+        os.close(r)
+        msg = "no error"
+        try:
+            os.setgroups([])
+            os.setgid(1000)
+            os.setuid(1000)
+            inspect(f"file://{d}")
+        except ConfigError as exc:
+            msg = str(exc)
+        except BaseException as exc:  # noqa: BLE001 - anything else is reported to the parent
+            msg = f"unexpected {exc!r}"
+        finally:
+            os.write(w, msg.encode())
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as fh:
+        msg = fh.read()
+    os.waitpid(pid, 0)
+    assert "cannot be read by this process (uid 1000" in msg and "chmod -R a+rX" in msg, msg
