@@ -18,9 +18,9 @@ from spectrain_api.reports import HARVEST_CLOCK_SLACK_S, checked_drafter_report,
 from spectrain_operator import builders, faults, objects
 from spectrain_operator import pods as podlib
 from spectrain_operator.objects import DRAFTER, Obj
+from spectrain_operator.pods import parse_time
 from spectrain_operator.policy.context import Context, finite, nonneg_int
 from spectrain_operator.policy.plan import MAX_MESSAGE_CHARS, MAX_REASON_CHARS, Event
-from spectrain_operator.pods import parse_time
 
 
 def count_crashes(ctx: Context) -> dict[int, int]:
