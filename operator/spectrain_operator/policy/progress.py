@@ -113,7 +113,7 @@ def summarize(ctx: Context) -> None:
     st, spec, current = ctx.status, ctx.spec, ctx.pods.current
     st["progress"] = progress(current, ctx.old, ctx.old.get("progress"), int(spec["target"]["steps"]))
     reports, refused = drafter.checked_reports(current, ctx.old, ctx.job, ctx.now)
-    previous = ctx.old.get("drafter") if isinstance(ctx.old.get("drafter"), dict) else {}
+    previous: Obj = ctx.old["drafter"] if isinstance(ctx.old.get("drafter"), dict) else {}
     st["drafter"] = drafter.summary(reports, previous, enabled=ctx.drafter_enabled and not st["drafterDisabled"],
                                     degraded=ctx.conds.is_true("DrafterDegraded"), refused=len(refused))
     if refused and len(refused) != nonneg_int(previous.get("reportFieldsRefused")):
