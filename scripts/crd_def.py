@@ -572,7 +572,11 @@ def status_schema() -> dict[str, Any]:
             "harvestedSeconds": n("Drafter busy time inside target idle windows, summed over ranks."),
             "harvestEfficiency": n("Harvested / usable idle time (mean over reporting ranks)."),
             "acceptanceLength": n("Expected accepted tokens per verification.", nullable=True),
-            "artifact": s("Where the latest exported drafter is."),
+            "artifact": s("Where the latest exported drafter is (only the exporting rank's pod's report, naming a "
+                          "version directory of the job's export path, is taken)."),
+            "reportFieldsRefused": i("Fields of the pods' drafter reports ignored in the last pass (not a state, "
+                                     "a number out of range, an artifact not from the exporting rank or not "
+                                     "under the export path): Event DrafterReportRefused names them.", minimum=0),
         }),
     })
 

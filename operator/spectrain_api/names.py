@@ -104,6 +104,7 @@ ENV_DATA_ROOT = "SPECTRAIN_DATA_ROOT"               # where the data claims are 
 ENV_POD_NAME = "SPECTRAIN_POD_NAME"                 # the pod's own name, namespace and UID (downward API):
 ENV_POD_NAMESPACE = "SPECTRAIN_POD_NAMESPACE"       # the status path keys its reports in the job's status
 ENV_POD_UID = "SPECTRAIN_POD_UID"                   # by the pod's UID
+ENV_POD_IP = "SPECTRAIN_POD_IP"                     # status.podIP: what the pod's listeners bind (never 0.0.0.0)
 ENV_GPU_SHARING = "SPECTRAIN_GPU_SHARING"           # spec.gpuSharing.mode, for the drafter's NVML report
 # Every pod's drafter address (`host:port` per node), the address a drafter binds to when not its
 # pod's own (`spectrain run`: loopback), and the TCPStore of the AllReduce engine.

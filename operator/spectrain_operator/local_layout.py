@@ -46,6 +46,9 @@ from spectrain_api.names import (
 )
 from spectrain_operator import access, builders, objects, spec
 
+# The local pods' address: every listener of a local run binds it (the pods' status.podIP), and
+# free ports are probed on it, where they will be bound.
+LOOPBACK = "127.0.0.1"
 SHM_ROOT = Path(os.environ.get("SPECTRAIN_SHM_ROOT", "/dev/shm"))
 GRACE_S = 30.0
 
@@ -105,12 +108,12 @@ def free_port(exclude: Collection[int] = ()) -> int:
                 continue
             with socket.socket() as s:
                 try:
-                    s.bind(("", port))
+                    s.bind((LOOPBACK, port))
                 except OSError:
                     continue
                 return port
     with socket.socket() as s:      # no room below the ephemeral range: the kernel's choice
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
 
 
@@ -125,7 +128,7 @@ def free_port_block(n: int, exclude: Collection[int] = ()) -> int:
             try:
                 for p in block[1:]:
                     s = stack.enter_context(socket.socket())
-                    s.bind(("", p))
+                    s.bind((LOOPBACK, p))
             except OSError:
                 continue
         return base
@@ -260,7 +263,7 @@ def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Pat
         else:
             ref = (item.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath", "")
             value = {"metadata.name": meta["name"], "metadata.namespace": meta.get("namespace", "default"),
-                     "status.podIP": "127.0.0.1", "status.podIPs": "127.0.0.1",
+                     "status.podIP": LOOPBACK, "status.podIPs": LOOPBACK,
                      "spec.nodeName": socket.gethostname()}.get(ref, "")
         # Paths under a mountPath point at the host directory behind that mount.
         for mount_path, host in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
@@ -270,10 +273,10 @@ def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Pat
         env[item["name"]] = value
     if ENV_DRAFTER_PEERS in env:
         # Pods share one network namespace locally: each pod's drafters get their own block of ports.
-        env[ENV_DRAFTER_PEERS] = ",".join(f"127.0.0.1:{p}" for p in peer_ports)
-        env[ENV_DRAFTER_BIND] = "127.0.0.1"
+        env[ENV_DRAFTER_PEERS] = ",".join(f"{LOOPBACK}:{p}" for p in peer_ports)
+        env[ENV_DRAFTER_BIND] = LOOPBACK
         # engine AllReduce's store: its default port (after the exporting pod's block) may be another pod's here
-        env[ENV_DRAFTER_STORE] = f"127.0.0.1:{store_port}"
+        env[ENV_DRAFTER_STORE] = f"{LOOPBACK}:{store_port}"
     if env.get(ENV_METRICS_PORT, "0") != "0":
         # Pods share one network namespace locally: each container (target, drafter) of each pod
         # gets its own metrics port.
@@ -281,7 +284,7 @@ def _container_env(c: dict[str, Any], pod: dict[str, Any], mounts: dict[str, Pat
         if key not in pod_ports:
             pod_ports[key] = free_port(exclude={master_port, store_port, *pod_ports.values(), *peer_ports})
         env[ENV_METRICS_PORT] = str(pod_ports[key])
-    env["MASTER_ADDR"] = "127.0.0.1"
+    env["MASTER_ADDR"] = LOOPBACK
     env["MASTER_PORT"] = str(master_port)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault(ENV_DEVICE, "auto")

@@ -34,6 +34,7 @@ def _pods(root: Path) -> list[Pod]:
     peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(WORLD))
     key = root / "fleet.key"                 # the job's key, as the operator's Secret mounts it
     key.write_text(os.urandom(32).hex() + "\n")
+    key.chmod(0o600)                          # load_key refuses a key others can read
     target = {"nodes": WORLD, "parallelism": {"data": 2, "pipeline": PIPELINE, "microbatches": 2},
               "checkpoint": {"claimName": "run"}}      # the processes share one run directory
     drafter = {"activation": {"safetyMarginMs": 1}, "exchange": {"combineEverySeconds": 1}}

@@ -65,6 +65,7 @@ def _drafter(root: Path, cfg: Path, node: int, peers: str, control: Path | None 
     key = root / "fleet.key"                 # the job's key, as the operator's Secret mounts it
     if not key.exists():
         key.write_text(os.urandom(32).hex() + "\n")
+        key.chmod(0o600)                     # load_key refuses a key others can read
     env = {**({ENV_DRAFTER_CONTROL: str(control)} if control else {}), ENV_FLEET_KEY_FILE: str(key),
            ENV_JOB_UID: "drafter-target-test", "SPECTRAIN_DRAFTER_PEERS": peers, "SPECTRAIN_DRAFTER_BIND": "127.0.0.1", **os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")]),
            "SPECTRAIN_CONFIG": str(cfg), "SPECTRAIN_RING_DIR": str(node_ring_dir(root / "ring", node, 2)),

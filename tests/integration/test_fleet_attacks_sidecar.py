@@ -35,6 +35,7 @@ WORLD, COORDINATOR, UID = 2, 1, "attacked-job"
 
 def _pods(root: Path, key: bytes, ports: list[int], metrics_ports: list[int]) -> list[Pod]:
     (root / "fleet.key").write_text(key.hex())
+    (root / "fleet.key").chmod(0o600)         # load_key refuses a key others can read
     target = {"nodes": WORLD, "parallelism": {"data": 1, "pipeline": 2, "microbatches": 2},
               "checkpoint": {"claimName": "run"}}
     drafter = {"activation": {"safetyMarginMs": 1}, "exchange": {"combineEverySeconds": 1}}

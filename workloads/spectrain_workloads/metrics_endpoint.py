@@ -19,6 +19,8 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from spectrain_workloads.listen import pod_address, require_specific
+
 FINAL_SCRAPE_MAX_S = 45.0    # past the pod's default 30 s termination grace the kubelet stops a sidecar anyway
 _INTERVALS_KEPT = 4          # the longest of the last few gaps between scrapes is the interval
 
@@ -49,10 +51,14 @@ class _Served:
 
 
 class Endpoint:
-    """/metrics of `registry` on `port` (every address of the pod's network namespace)."""
+    """/metrics of `registry` on `port` of `addr`: the pod's own address (listen.pod_address), where
+    Prometheus scrapes it, never every interface."""
 
-    def __init__(self, registry: Any, port: int, addr: str = "0.0.0.0") -> None:
+    def __init__(self, registry: Any, port: int, addr: str | None = None) -> None:
         from prometheus_client import make_wsgi_app
+
+        addr = addr or pod_address()
+        require_specific(addr, "metrics address")
 
         app = make_wsgi_app(registry)
         self._cond = threading.Condition()

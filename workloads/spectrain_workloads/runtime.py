@@ -37,6 +37,7 @@ from spectrain_api.names import (
 )
 from spectrain_api.rules import require_valid
 from spectrain_workloads.checkpoint import CheckpointManager, save_shared
+from spectrain_workloads.listen import rendezvous_store
 from spectrain_workloads.metrics import MetricsWriter
 from spectrain_workloads.shutdown import Terminator
 from spectrain_workloads.tokenizer import ByteTokenizer
@@ -193,8 +194,9 @@ class Runtime:
         if rank.rank == 0 and cfg.target.model.path is None:   # an HF target's goes with its export
             ByteTokenizer().save(opts.run_dir)
         if rank.world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank.rank,
-                                    world_size=rank.world, timeout=datetime.timedelta(minutes=10))
+            timeout = datetime.timedelta(minutes=10)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank.rank, world_size=rank.world,
+                                    store=rendezvous_store(rank.rank, rank.world, timeout), timeout=timeout)
         t = cfg.target
         return cls(cfg=cfg, opts=opts, rank=rank, device=device,
                    ckpt=CheckpointManager(opts.run_dir, rank.rank, t.checkpoint.keep),

@@ -11,10 +11,14 @@ untouched; the next restart the job needs anyway builds pods without the sidecar
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from spectrain_api.names import ACTIVE, DEGRADED, EXIT_OK, EXIT_PEER_FRAME, REPORT_DRAFTER, SUCCEEDED
-from spectrain_operator import faults, objects
+from spectrain_api.reports import HARVEST_CLOCK_SLACK_S, checked_drafter_report, export_rank
+from spectrain_operator import builders, faults, objects
 from spectrain_operator import pods as podlib
 from spectrain_operator.objects import DRAFTER, Obj
+from spectrain_operator.pods import parse_time
 from spectrain_operator.policy.context import Context, finite, nonneg_int
 from spectrain_operator.policy.plan import MAX_MESSAGE_CHARS, MAX_REASON_CHARS, Event
 
@@ -138,19 +142,47 @@ def never_trained(ctx: Context, phase: str) -> None:
     ctx.plan.events.append(Event("Warning", "DrafterNeverTrained", text))
 
 
-def summary(pods_by_node: dict[int, Obj], job_status: object, previous: object, *, enabled: bool,
-            degraded: bool) -> Obj:
-    """status.drafter from the pods' drafter reports in `job_status` (the status as read): state,
-    active ranks, harvested seconds (sum), harvest efficiency and acceptance length (means), the
-    exported artifact; a figure no pod reports keeps its previous value."""
-    reports = [r for r in (podlib.report(job_status, p, REPORT_DRAFTER) for _, p in sorted(pods_by_node.items()))
-               if r is not None]
+def report_limits(job: Obj, now: datetime) -> tuple[int, str, float]:
+    """What a pod's drafter report is checked against (spectrain_api.reports): the exporting rank's
+    node, the job's export path as the pods see it, and the most idle seconds one pod's ranks can
+    have harvested (local ranks x the job's age, plus clock slack)."""
+    t = job["spec"]["target"]
+    procs = int(t["procsPerNode"])
+    created = parse_time((job.get("metadata") or {}).get("creationTimestamp"))
+    age = (now - created).total_seconds() if created is not None else 0.0
+    return (export_rank(int(t["nodes"]) * procs) // procs, builders.export_dir(job),
+            procs * (max(0.0, age) + HARVEST_CLOCK_SLACK_S))
+
+
+def checked_reports(pods_by_node: dict[int, Obj], job_status: object, job: Obj,
+                    now: datetime) -> tuple[list[Obj], list[str]]:
+    """The pods' drafter reports with only the fields that pass spectrain_api.reports, and one line
+    per refused field ("pod <name>: <field>=<value> refused: <why>")."""
+    export_node, export_dir, max_harvest_s = report_limits(job, now)
+    kept: list[Obj] = []
+    refused: list[str] = []
+    for node, pod in sorted(pods_by_node.items()):
+        raw = podlib.report(job_status, pod, REPORT_DRAFTER)
+        if raw is None:
+            continue
+        ok, bad = checked_drafter_report(raw, exporting=node == export_node, export_dir=export_dir,
+                                         max_harvest_s=max_harvest_s)
+        kept.append(ok)
+        refused += [f"pod {podlib.name(pod)}: {r}" for r in bad]
+    return kept, refused
+
+
+def summary(reports: list[Obj], previous: object, *, enabled: bool, degraded: bool, refused: int = 0) -> Obj:
+    """status.drafter from the pods' checked drafter reports (`checked_reports`): state, active
+    ranks, harvested seconds (sum), harvest efficiency and acceptance length (means), the exported
+    artifact (the exporting pod's); a figure no pod reports keeps its previous value. `refused`:
+    the report fields refused in this pass (status.drafter.reportFieldsRefused)."""
     prev: Obj = previous if isinstance(previous, dict) else {}
-    artifact = next((str(r["artifact"])[:1024] for r in reports if isinstance(r.get("artifact"), str) and r["artifact"]),
+    artifact = next((r["artifact"] for r in reports if r.get("artifact")),
                     prev.get("artifact") if isinstance(prev.get("artifact"), str) else "")
-    harvested = [v for v in (finite(r.get("harvestedSeconds")) for r in reports) if v is not None]
-    efficiency = [v for v in (finite(r.get("harvestEfficiency")) for r in reports) if v is not None]
-    acceptance = [v for v in (finite(r.get("acceptanceLength")) for r in reports) if v is not None]
+    harvested = [r["harvestedSeconds"] for r in reports if "harvestedSeconds" in r]
+    efficiency = [r["harvestEfficiency"] for r in reports if "harvestEfficiency" in r]
+    acceptance = [r["acceptanceLength"] for r in reports if "acceptanceLength" in r]
     active = sum(1 for r in reports if r.get("state") == ACTIVE)
     if degraded:
         state = "Degraded"
@@ -168,4 +200,4 @@ def summary(pods_by_node: dict[int, Obj], job_status: object, previous: object, 
             else finite(prev.get("harvestEfficiency")) or 0.0,
             "acceptanceLength": round(sum(acceptance) / len(acceptance), 4) if acceptance
             else finite(prev.get("acceptanceLength")),
-            "artifact": artifact}
+            "artifact": artifact, "reportFieldsRefused": refused}

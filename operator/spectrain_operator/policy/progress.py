@@ -18,7 +18,7 @@ from spectrain_operator.objects import Obj
 from spectrain_operator.pods import fmt_time
 from spectrain_operator.policy import drafter
 from spectrain_operator.policy.context import Context, finite, nonneg_int
-from spectrain_operator.policy.plan import TERMINAL, Outcome
+from spectrain_operator.policy.plan import MAX_MESSAGE_CHARS, TERMINAL, Event, Outcome
 
 WAIT_FOR_OLD_POD_S = 1.0  # requeue while pods of the previous generation still terminate
 MAX_TIMESTAMP_CHARS = 64  # status.progress.updatedAt, as the workload wrote it
@@ -112,9 +112,15 @@ def summarize(ctx: Context) -> None:
     """Fill status.progress, .drafter, .ranks and .ready, and the informational conditions."""
     st, spec, current = ctx.status, ctx.spec, ctx.pods.current
     st["progress"] = progress(current, ctx.old, ctx.old.get("progress"), int(spec["target"]["steps"]))
-    st["drafter"] = drafter.summary(current, ctx.old, ctx.old.get("drafter"),
-                                    enabled=ctx.drafter_enabled and not st["drafterDisabled"],
-                                    degraded=ctx.conds.is_true("DrafterDegraded"))
+    reports, refused = drafter.checked_reports(current, ctx.old, ctx.job, ctx.now)
+    previous: Obj = ctx.old["drafter"] if isinstance(ctx.old.get("drafter"), dict) else {}
+    st["drafter"] = drafter.summary(reports, previous, enabled=ctx.drafter_enabled and not st["drafterDisabled"],
+                                    degraded=ctx.conds.is_true("DrafterDegraded"), refused=len(refused))
+    if refused and len(refused) != nonneg_int(previous.get("reportFieldsRefused")):
+        # a report is a claim any container of the job can write: refused fields are never copied
+        ctx.plan.events.append(Event("Warning", "DrafterReportRefused",
+                                     f"{len(refused)} drafter report field(s) ignored: "
+                                     f"{'; '.join(refused)}"[:MAX_MESSAGE_CHARS]))
     if st["drafter"]["activeRanks"]:
         ctx.conds.set("DrafterActive", True, "Harvesting", f"{st['drafter']['activeRanks']} rank(s) training the drafter")
     else:

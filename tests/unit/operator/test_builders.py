@@ -101,6 +101,10 @@ def test_torchrun_and_spectrain_env() -> None:
     assert env["SPECTRAIN_JOB_NAME"] == "demo" and env["SPECTRAIN_DRAFTER_ENABLED"] == "1"
     assert env["SPECTRAIN_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert env["SPECTRAIN_POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    # what every container's listeners bind (the target's rendezvous store, metrics): never 0.0.0.0
+    for c in p["spec"]["containers"] + p["spec"].get("initContainers", []):
+        assert {e["name"]: e.get("valueFrom") for e in c["env"]}["SPECTRAIN_POD_IP"] == \
+            {"fieldRef": {"fieldPath": "status.podIP"}}, c["name"]
     assert p["spec"]["containers"][0]["env"][-1] == {"name": "EXTRA", "value": "1"}  # user env appended
 
 

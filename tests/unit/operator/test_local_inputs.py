@@ -65,6 +65,7 @@ def test_local_pods_give_each_pods_drafters_their_own_loopback_ports(tmp_path: P
     ports = [int(a.rsplit(":", 1)[1]) for a in peers.pop().split(",")]
     assert len(ports) == 2 and abs(ports[0] - ports[1]) >= 2      # local ranks 0, 1 of each pod: base + i
     assert all(c.env["SPECTRAIN_DRAFTER_BIND"] == "127.0.0.1" for c in drafters)
+    assert all(c.env["SPECTRAIN_POD_IP"] == "127.0.0.1" for c in run.containers)   # what listeners bind
     assert not any("SPECTRAIN_DRAFTER_PEERS" in c.env for c in run.containers if c.name == "target")
 
 

@@ -621,8 +621,9 @@ def test_progress_and_drafter_from_the_pods_reports() -> None:
     prog = json.dumps({"step": 120, "totalSteps": 1000, "loss": 3.21, "tokensPerSecond": 1850.0,
                        "updatedAt": "2026-01-01T11:59:00Z"})
     d0 = json.dumps({"state": "Active", "harvestedSeconds": 20.0, "harvestEfficiency": 0.8,
-                     "acceptanceLength": 2.0, "artifact": "/run/drafter/v3"})
-    d1 = json.dumps({"state": "Waiting", "harvestedSeconds": 21.7, "harvestEfficiency": 0.92})
+                     "acceptanceLength": 2.0})
+    artifact = f"{builders.export_dir(j)}/v3"      # from the exporting (last) rank's pod
+    d1 = json.dumps({"state": "Waiting", "harvestedSeconds": 21.7, "harvestEfficiency": 0.92, "artifact": artifact})
     pods = running(j)
     j["status"][STATUS_REPORTS] = reports(pods, n0={REPORT_PROGRESS: prog, REPORT_DRAFTER: d0},
                                           n1={REPORT_DRAFTER: d1})
@@ -632,7 +633,7 @@ def test_progress_and_drafter_from_the_pods_reports() -> None:
     d = plan.status["drafter"]
     assert d["state"] == "Active" and d["activeRanks"] == 1
     assert d["harvestedSeconds"] == pytest.approx(41.7) and d["harvestEfficiency"] == pytest.approx(0.86)
-    assert d["acceptanceLength"] == 2.0 and d["artifact"] == "/run/drafter/v3"
+    assert d["acceptanceLength"] == 2.0 and d["artifact"] == artifact and d["reportFieldsRefused"] == 0
     assert cond(plan, "DrafterActive")["status"] == "True"
     assert STATUS_REPORTS not in plan.status, "the reports are the pods': the operator never writes them back"
 

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spectrain_workloads.listen import serve_store
+
 JOINERS = "joiners"     # store counter: processes that asked to join since the store started
 STORE_ID = "store_id"   # written by the store's host: a new id means a restarted, empty store
 EPOCH = "epoch"         # store key: the newest sealed epoch (a joiner's starting point)
@@ -80,14 +82,15 @@ class Combiner:
     """One drafter's side. `round` runs on the drafter's housekeeping thread, between windows."""
 
     def __init__(self, rank: int, world: int, store_addr: tuple[str, int], timeout_s: float, *,
-                 host_store: bool = False, rendezvous_s: float = 2.0, join_wait_s: float | None = None) -> None:
+                 host_store: bool = False, store_bind: str | None = None, rendezvous_s: float = 2.0,
+                 join_wait_s: float | None = None) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.rendezvous_s = rendezvous_s
         # a fresh process waits longer than a member for a group: the others only notice it at
         # their next round (combine_every_s), and sealing alone would split the fleet
         self.join_wait_s = 2 * timeout_s if join_wait_s is None else join_wait_s
         self.incarnation = uuid.uuid4().hex[:12]
-        self.store_addr, self.host_store = store_addr, host_store
+        self.store_addr, self.host_store, self.store_bind = store_addr, host_store, store_bind
         self.store, self.store_id = self._connect()
         self.pg: Any = None       # dist.ProcessGroupGloo (its stubs lack the collectives)
         self.epoch, self.size, self.index, self.seq, self.joiners_at_form = 0, 0, -1, 0, 0
@@ -189,7 +192,7 @@ class Combiner:
     # ------------------------------------------------------------------ the store
     def _connect(self) -> tuple[dist.TCPStore, str]:
         if self.host_store:
-            store = start_store(self.store_addr[0], self.store_addr[1], self.timeout_s)
+            store = start_store(self.store_bind or self.store_addr[0], self.store_addr[1], self.timeout_s)
         else:
             store = dist.TCPStore(self.store_addr[0], self.store_addr[1], is_master=False,
                                   wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s))
@@ -333,8 +336,9 @@ class Combiner:
 
 def start_store(host: str, port: int, timeout_s: float = 30.0) -> dist.TCPStore:
     """The drafters' store, served by this process (a member with `host_store`, or a process that
-    only hosts it). Port 0: any free port (`.port`)."""
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    only hosts it) on `host` only (the pod's address: listen.serve_store). Port 0: any free port
+    (`.port`)."""
+    store: dist.TCPStore = serve_store(host, port, timeout=timedelta(seconds=timeout_s))
     store.set(STORE_ID, uuid.uuid4().hex)
     return store
 

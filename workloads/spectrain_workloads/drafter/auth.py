@@ -39,6 +39,7 @@ from pathlib import Path
 
 from spectrain_api.errors import ConfigError
 from spectrain_api.names import ENV_FLEET_KEY_FILE
+from spectrain_api.secretfile import require_private
 
 MAGIC = b"SPTRFLT\x00"
 PROTOCOL_VERSION = 1
@@ -79,11 +80,13 @@ class Identity:
 
 
 def load_key(path: str | os.PathLike[str] | None) -> bytes:
-    """The job's key from its file: 64 hex characters (whitespace around them ignored)."""
+    """The job's key from its file: 64 hex characters (whitespace around them ignored), in a file
+    only its owner and this pod can read (spectrain_api.secretfile)."""
     where = f"{ENV_FLEET_KEY_FILE} (the job's fleet-key Secret, mounted into the drafter container)"
     if not path:
         raise ConfigError(f"{ENV_FLEET_KEY_FILE} is not set: the drafter exchange needs the job's key; "
                           f"the operator mounts the fleet-key Secret and sets {where}")
+    require_private(path, f"the fleet key ({ENV_FLEET_KEY_FILE})")
     try:
         text = Path(path).read_text().strip()
     except OSError as exc:

@@ -138,7 +138,7 @@ class DrafterCollector:
 
 
 def serve(collector: DrafterCollector, port: int) -> Any:
-    """Serve /metrics for `collector` on `port` (every address: the pod's network namespace): a
+    """Serve /metrics for `collector` on `port` of the pod's own address (listen.pod_address): a
     metrics_endpoint.Endpoint, whose `final()` keeps the last figures up until scraped."""
     from prometheus_client import CollectorRegistry
 

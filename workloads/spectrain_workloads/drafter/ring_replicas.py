@@ -15,9 +15,10 @@ A worker late for a round (a long measurement) does not hold the ring up: its th
 part with no new work on the last snapshot (`_next_job`), and the worker later applies the newest
 result on top of everything it learnt since that snapshot.
 
-Trust. gloo's transport is not authenticated and the store listens on every interface of its pod
-(TCPStore takes no bind address), so anything that reaches those ports may join the sum: a
-NetworkPolicy must keep them to the job's pods. A result is checked exactly as the star's combined
+Trust. gloo's transport is not authenticated, nor is the store (torch's TCPStore has no
+authentication; it listens on the pod's own address only, listen.serve_store), so anything that
+reaches those ports may read and write the store and join the sum: a NetworkPolicy must keep them
+to the job's pods (docs/design.md, "Trust"). A result is checked exactly as the star's combined
 versions are (drafter.checks: the local model's table, finite, an update no larger than
 UPDATE_NORM_FACTOR x the local model's norm) before it is applied, else skipped and counted
 (`exchangeRejectedByCause`, causes `allreduce_*`).
@@ -253,7 +254,8 @@ class RingReplicas:
         while self._combiner is None and not self._stop.is_set():
             try:
                 self._combiner = Combiner(self.rank, cfg.world, cfg.store, self.timeout_s,
-                                          host_store=self.is_coordinator, rendezvous_s=RENDEZVOUS_S)
+                                          host_store=self.is_coordinator, store_bind=cfg.bind_hosts[0],
+                                          rendezvous_s=RENDEZVOUS_S)
             except (RuntimeError, OSError) as exc:   # not up yet (the client waited timeout_s for it)
                 self._note("ring_connect_failed", error=str(exc)[:200])
                 self._stop.wait(1.0)

@@ -169,13 +169,14 @@ def _run_worker(cfg: Any, settings: Any, local_rank: int, rank: int, run_dir: Pa
                 prometheus: Any) -> int:
     import torch
 
+    from spectrain_api.reports import export_rank as default_export_rank
     from spectrain_workloads.drafter.worker import Worker
 
     control = DrafterControl.from_env()
     if control.disabled():      # before the device, the ring, the fleet or a model
         return idle_disabled(run_dir, rank, settings, stop, prometheus)
     world = _env_int("WORLD_SIZE", 1)
-    export_rank = _env_int("SPECTRAIN_DRAFTER_EXPORT_RANK", world - 1)
+    export_rank = _env_int("SPECTRAIN_DRAFTER_EXPORT_RANK", default_export_rank(world))   # the operator's too
     export_dir = Path(os.environ.get(ENV_EXPORT_DIR) or run_dir / cfg.drafter.export.path)
     device = _device(local_rank)
     if device.type == "cpu":

@@ -87,6 +87,7 @@ def _rejected(server: Server, cause: str, n: int = 1) -> None:
 def test_the_key_file(tmp_path: Path) -> None:
     p = tmp_path / "key"
     p.write_text(f"  {KEY.hex()}\n")
+    p.chmod(0o600)                    # load_key refuses a key others can read (test_secretfile)
     assert load_key(p) == KEY
     with pytest.raises(ConfigError, match=ENV_FLEET_KEY_FILE):
         load_key(None)
@@ -113,6 +114,7 @@ def test_the_sidecar_needs_a_key_and_the_pods_addresses(tmp_path: Path, monkeypa
     with pytest.raises(ConfigError, match=f"{ENV_FLEET_KEY_FILE} is not set.*Secret"):
         _fleet(cfg, 0, 2, 1)
     (tmp_path / "key").write_text(KEY.hex())
+    (tmp_path / "key").chmod(0o600)
     monkeypatch.setenv(ENV_FLEET_KEY_FILE, str(tmp_path / "key"))
     fleet = _fleet(cfg, 0, 2, 1)
     try:
