@@ -356,6 +356,11 @@ def spec_schema() -> dict[str, Any]:
                       **{"x-kubernetes-validations": [
                           rule("!self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')",
                                "spec.drafter.export.path must be relative and must not contain '..'")]}),
+            "minAcceptance": n("Absolute floor of the export gate: a candidate whose acceptance length (tokens per "
+                               "verification) on the held-back samples is below it never becomes LATEST, nor one "
+                               "that could not be measured. 0: no floor (candidates must still measure at least "
+                               "LATEST's acceptance on the same samples).", minimum=0,
+                               maximum=C.MAX_MIN_ACCEPTANCE),
         }, default={}),
         "exchange": o("How the drafters of a job work as one: the last pipeline stage's drafters share the "
                       "samples they read with the other stages' drafters, and every drafter's replica is "

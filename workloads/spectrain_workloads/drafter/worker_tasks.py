@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from spectrain_api.names import ACTIVE, ALWAYS, IDLE_ONLY, WAITING
-from spectrain_workloads.drafter.combiner import OPTIM_KEY, VERIFY_KEY, micro_key
+from spectrain_workloads.drafter.combiner import GATE_KEY, OPTIM_KEY, VERIFY_KEY, micro_key
 from spectrain_workloads.drafter.gating import UNIT_KEY, Budget, Task, pick_task
 from spectrain_workloads.drafter.metrics import NO_WINDOW
 from spectrain_workloads.drafter.train import DrafterTrainer
@@ -48,6 +48,7 @@ class WindowWork(Intake, Reporting):
 
     if TYPE_CHECKING:
         def _disabled(self) -> bool: ...     # drafter.worker.Worker: has the operator disabled it?
+        def _begin_candidate_round(self, held_back: list[Any]) -> None: ...   # worker_export.ExportGate
 
     def _measure_due(self) -> bool:
         """Never measured, or idle with data for longer than the back-off (see REMEASURE_AFTER_S); while a
@@ -103,7 +104,7 @@ class WindowWork(Intake, Reporting):
                 self.cost.observe(VERIFY_KEY, time.monotonic_ns() - t0)
         trainer.verifier.last, trainer.verifier.rounds = None, 0
         if self.candidate is not None and "result" not in self.candidate:
-            trainer.begin_verify(self.buffer.eval_batch())   # the candidate's round, which this one replaced
+            self._begin_candidate_round(self.buffer.eval_batch())   # the round this one replaced
         self.calibrated, self._due_since = True, None
         self.ready_ns = time.monotonic_ns()
         self.metrics.log("calibrated", length=length, unit_ns=self.gate.unit_ns(), start_ns=begin,
@@ -119,11 +120,20 @@ class WindowWork(Intake, Reporting):
         optim = (("optim", OPTIM_KEY, self.cost.estimate(OPTIM_KEY), 0)
                  if self.combiner.accumulated > 0 and self.candidate is None else None)
         due = time.monotonic() - self._last_verify >= self.s.verify_every_s and self.buffer.eval_fresh() > 0
-        verify = ("verify", VERIFY_KEY, self.cost.estimate(VERIFY_KEY), 0) if tr.verifier.in_progress or due else None
+        verify = self._verify_task() if tr.verifier.in_progress or due else None
         plan = self.combiner.plan(budget.remaining_ns, self.buffer.trainable())
         train = None if plan is None else ("train", micro_key(plan.micro_batch), plan.cost_ns, plan.micro_batch)
         return pick_task(self.gate, budget, starting=starting, optim=optim, optim_due=self.combiner.step_due(),
                          verify=verify, train=train)
+
+    def _verify_task(self) -> Task:
+        """The next verification chunk: the export gate's paired one (the candidate and LATEST: about two
+        chunks' cost, and timed apart so the periodic rounds' estimate stays theirs), or a plain one."""
+        assert self.trainer is not None
+        if self.trainer.verifier.paired:
+            single = self.cost.estimate(VERIFY_KEY)
+            return ("verify", GATE_KEY, self.cost.estimate(GATE_KEY) or (None if single is None else 2 * single), 0)
+        return ("verify", VERIFY_KEY, self.cost.estimate(VERIFY_KEY), 0)
 
     def _work(self) -> bool:
         """Run tasks while the gate allows; True if at least one ran."""
