@@ -578,6 +578,12 @@ def status_schema() -> dict[str, Any]:
             "harvestEfficiency": n("Harvested / usable idle time (mean over reporting ranks)."),
             "acceptanceLength": n("Expected accepted tokens per verification.", nullable=True),
             "artifact": s("Where the latest exported drafter is."),
+            "exportsRejectedByCause": o("Candidate exports the export gate kept from LATEST, by cause: below_latest "
+                                        "(under LATEST re-measured on the same held-back samples), below_floor "
+                                        "(under spec.drafter.export.minAcceptance), non_finite, unmeasured, "
+                                        "version_reused.",
+                                        {c: i(f"Candidates rejected: {c}.", minimum=0)
+                                         for c in C.EXPORT_REJECT_CAUSES}),
         }),
     })
 

@@ -11,7 +11,15 @@ untouched; the next restart the job needs anyway builds pods without the sidecar
 
 from __future__ import annotations
 
-from spectrain_api.names import ACTIVE, DEGRADED, EXIT_OK, EXIT_PEER_FRAME, REPORT_DRAFTER, SUCCEEDED
+from spectrain_api.names import (
+    ACTIVE,
+    DEGRADED,
+    EXIT_OK,
+    EXIT_PEER_FRAME,
+    EXPORT_REJECT_CAUSES,
+    REPORT_DRAFTER,
+    SUCCEEDED,
+)
 from spectrain_operator import faults, objects
 from spectrain_operator import pods as podlib
 from spectrain_operator.objects import DRAFTER, Obj
@@ -142,7 +150,7 @@ def summary(pods_by_node: dict[int, Obj], job_status: object, previous: object, 
             degraded: bool) -> Obj:
     """status.drafter from the pods' drafter reports in `job_status` (the status as read): state,
     active ranks, harvested seconds (sum), harvest efficiency and acceptance length (means), the
-    exported artifact; a figure no pod reports keeps its previous value."""
+    exported artifact, the export gate's rejections by cause; a figure no pod reports keeps its previous value."""
     reports = [r for r in (podlib.report(job_status, p, REPORT_DRAFTER) for _, p in sorted(pods_by_node.items()))
                if r is not None]
     prev: Obj = previous if isinstance(previous, dict) else {}
@@ -168,4 +176,31 @@ def summary(pods_by_node: dict[int, Obj], job_status: object, previous: object, 
             else finite(prev.get("harvestEfficiency")) or 0.0,
             "acceptanceLength": round(sum(acceptance) / len(acceptance), 4) if acceptance
             else finite(prev.get("acceptanceLength")),
-            "artifact": artifact}
+            "artifact": artifact, "exportsRejectedByCause": export_rejections(reports, prev)}
+
+
+# Bound of a reported rejection count: the CRD's integer (int32); a larger one is not a drafter's.
+MAX_REJECTIONS = 2**31 - 1
+
+
+def export_rejections(reports: list[Obj], previous: Obj) -> dict[str, int]:
+    """status.drafter.exportsRejectedByCause: per cause of names.EXPORT_REJECT_CAUSES, the sum of the
+    pods' drafter reports (only the exporting rank's gate rejects). A count that is not an integer in
+    [0, MAX_REJECTIONS], or of another cause, is not read; with no pod reporting any, the previous ones."""
+    total = dict.fromkeys(EXPORT_REJECT_CAUSES, 0)
+    seen = False
+    for r in reports:
+        by = r.get("exportsRejectedByCause")
+        if not isinstance(by, dict):
+            continue
+        seen = True
+        for cause in EXPORT_REJECT_CAUSES:
+            n = by.get(cause)
+            if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_REJECTIONS:
+                total[cause] = min(total[cause] + n, MAX_REJECTIONS)
+    if seen:
+        return total
+    before = previous.get("exportsRejectedByCause")
+    before = before if isinstance(before, dict) else {}
+    return {c: n if isinstance(n := before.get(c), int) and not isinstance(n, bool) and 0 <= n <= MAX_REJECTIONS
+            else 0 for c in EXPORT_REJECT_CAUSES}

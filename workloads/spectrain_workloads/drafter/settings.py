@@ -14,8 +14,8 @@ from typing import Any
 
 from spectrain_api.config import DrafterSpec
 from spectrain_api.errors import ConfigError
-from spectrain_api.rules import min_acceptance_errors
 from spectrain_api.names import ACTIVATION_POLICIES, DRAFTER_ARCHS, DRAFTER_PRESETS, WINDOW_KINDS
+from spectrain_api.rules import min_acceptance_errors
 
 
 @dataclass(kw_only=True)

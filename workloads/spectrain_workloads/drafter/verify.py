@@ -214,7 +214,7 @@ class Verifier:
 
     @property
     def paired(self) -> bool:
-        """The round in progress measures a reference model too (a chunk costs about twice as much)."""
+        """The round in progress measures a reference model too (on half-size chunks)."""
         return self._reference is not None and self.in_progress
 
     @property
@@ -222,11 +222,12 @@ class Verifier:
         return bool(self._pending)
 
     def _take(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Up to `batch` pending sequences of the last one's length and kind (hidden or not)."""
+        """Up to `batch` pending sequences of the last one's length and kind (hidden or not); half as many
+        in a paired round, whose chunk measures two models: it then fits the windows a plain chunk fits."""
         tokens, hidden = self._pending[-1]
         same = [i for i in range(len(self._pending) - 1, -1, -1)
                 if self._pending[i][0].numel() == tokens.numel() and (self._pending[i][1] is None) == (hidden is None)]
-        chosen = same[: self.batch]
+        chosen = same[: max(1, self.batch // 2) if self._reference is not None else self.batch]
         taken = [self._pending[i] for i in chosen]
         for i in sorted(chosen, reverse=True):
             del self._pending[i]

@@ -127,12 +127,11 @@ class WindowWork(Intake, Reporting):
                          verify=verify, train=train)
 
     def _verify_task(self) -> Task:
-        """The next verification chunk: the export gate's paired one (the candidate and LATEST: about two
-        chunks' cost, and timed apart so the periodic rounds' estimate stays theirs), or a plain one."""
+        """The next verification chunk: the export gate's paired one (the candidate and LATEST on half as
+        many sequences: about a plain chunk's cost, timed apart so each estimate stays its own), or a plain one."""
         assert self.trainer is not None
         if self.trainer.verifier.paired:
-            single = self.cost.estimate(VERIFY_KEY)
-            return ("verify", GATE_KEY, self.cost.estimate(GATE_KEY) or (None if single is None else 2 * single), 0)
+            return ("verify", GATE_KEY, self.cost.estimate(GATE_KEY) or self.cost.estimate(VERIFY_KEY), 0)
         return ("verify", VERIFY_KEY, self.cost.estimate(VERIFY_KEY), 0)
 
     def _work(self) -> bool:
