@@ -7,10 +7,15 @@ measured at once as at shutdown (`_finishing`: no idle windows to wait for).
   old rule, 0.9 x the last export's stored number, exported them one after the other).
 - The job's absolute floor (spec.drafter.export.minAcceptance): a candidate below it is never LATEST.
 - Every rejection is counted by cause, in the summary the status path and Prometheus read.
+- After a restart LATEST is read back from the export volume and is still the bar.
+- A paired round measures each model as it would measure it alone; the held LATEST shares the
+  target's frozen tensors with the training model and copies only the trainable ones.
 """
 
 from __future__ import annotations
 
+import functools
+import tempfile
 import threading
 from pathlib import Path
 
@@ -20,11 +25,13 @@ import torch
 from spectrain_api.names import LM
 from spectrain_workloads.drafter import export as ex
 from spectrain_workloads.drafter.combiner import Sample
-from spectrain_workloads.drafter.models import TargetShared
+from spectrain_workloads.drafter.export_latest import LatestDrafter
+from spectrain_workloads.drafter.models import EagleDrafter, TargetShared
 from spectrain_workloads.drafter.settings import DrafterSettings
+from spectrain_workloads.drafter.train import DrafterTrainer
 from spectrain_workloads.drafter.verify import measure
 from spectrain_workloads.drafter.worker import Worker
-from spectrain_workloads.model import ModelConfig
+from spectrain_workloads.model import ModelConfig, model_config
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
@@ -93,10 +100,20 @@ def _propose(w: Worker) -> None:
     assert w.candidate is None
 
 
+@functools.cache
+def _trained() -> dict[str, torch.Tensor]:
+    """The drafter's weights after learning PERM (acceptance 5.0 = k + 1 on the held-back walks)."""
+    with tempfile.TemporaryDirectory() as d:
+        w = _worker(Path(d))
+        _train(w, PERM, 150, seed=0)
+        assert w.trainer is not None
+        return {k: v.detach().clone() for k, v in w.trainer.model.state_dict().items()}
+
+
 def test_slightly_worse_candidates_never_lower_latest(tmp_path: Path) -> None:
     w = _worker(tmp_path)
     assert w.trainer is not None
-    _train(w, PERM, 150, seed=0)
+    w.trainer.model.load_state_dict(_trained())
     _propose(w)
     start = _latest(w)
     assert start > 4.5 and w.exported_version == 1, start
@@ -110,3 +127,79 @@ def test_slightly_worse_candidates_never_lower_latest(tmp_path: Path) -> None:
         assert _latest(w) >= start, (n, start, _latest(w))
     assert before < 0.9 * start                # together far below the start
     assert w.exported_version == 1 and w.exports_rejected == 6
+
+
+def test_the_floor_unmeasured_candidates_and_latest_after_a_restart(tmp_path: Path) -> None:
+    w = _worker(tmp_path, min_acceptance=4.9)
+    assert w.trainer is not None and w.export_dir is not None
+    w.trainer.model.load_state_dict(_trained())
+    _train(w, _bent(3), 40, seed=3)                  # ~4.55: below the floor, and the first version
+    _propose(w)
+    assert w.exported_version == 0 and not (w.export_dir / "LATEST").exists()
+    w.trainer.model.load_state_dict(_trained())      # 5.0: above it
+    _propose(w)
+    assert w.exported_version == 2 and _latest(w) == 5.0
+    w.buffer.eval.clear()                            # nothing held back: a floor to meet, nothing measured
+    _propose(w)
+    assert w.exported_version == 2
+    by_cause = w.summary()["exportsRejectedByCause"]
+    assert by_cause == {"below_latest": 0, "below_floor": 1, "non_finite": 0, "unmeasured": 1, "version_reused": 0}
+
+    # a restart (same volumes, no floor): LATEST is read back from the export and still the bar
+    w2 = _worker(tmp_path)
+    assert w2.trainer is not None and w2.latest.version == 2 and w2.latest.module is not None
+    assert _acceptance(w2.latest.module, w2) == 5.0
+    _train(w2, _bent(1), 40, seed=1)                  # ~4.84
+    _propose(w2)
+    assert w2.exported_version == 2 and w2.rejected_by_cause["below_latest"] == 1
+    assert (w2.export_dir / "LATEST").read_text().strip() == "v2"   # type: ignore[operator]
+
+
+def test_a_paired_round_measures_each_model_as_alone_on_half_size_chunks(tmp_path: Path) -> None:
+    w = _worker(tmp_path)
+    tr = w.trainer
+    assert tr is not None
+    tr.model.load_state_dict(_trained())
+    w.latest.take(tr.model, 1)
+    _train(w, _bent(3), 40, seed=3)
+    held = [(s.tokens, s.hidden) for s in w.buffer.eval]
+    tr.begin_verify(list(w.buffer.eval), w.latest.module)
+    chunks, result = 0, None
+    while result is None:
+        assert tr.verifier.paired
+        result, chunks = tr.verify_chunk(), chunks + 1
+    assert chunks == HELD_BACK // (w.s.verify_batch // 2) and not tr.verifier.paired
+    assert result.reference is not None and w.latest.module is not None
+    alone = measure(w.latest.module, held, tr.target_head, k=K, max_starts=2)
+    assert result.reference.to_dict() == alone.to_dict() and alone.acceptance_length == 5.0
+    assert result.to_dict() == measure(tr.model, held, tr.target_head, k=K, max_starts=2).to_dict()
+    assert result.acceptance_length < 4.8
+
+
+def test_latest_shares_the_target_s_frozen_tensors_and_copies_only_the_trainable_ones() -> None:
+    cfg = model_config("debug", {"max_seq_len": 32})
+    g = torch.Generator().manual_seed(0)
+
+    def shared() -> TargetShared:
+        return TargetShared(embedding=torch.randn(cfg.vocab_size, cfg.dim, generator=g),
+                            lm_head=torch.randn(cfg.vocab_size, cfg.dim, generator=g), model_config=cfg,
+                            digest="t", stamp=(0,))
+
+    tr = DrafterTrainer(DrafterSettings(), shared(), torch.device("cpu"))     # EAGLE: frozen embedding, head
+    model = tr.model
+    assert isinstance(model, EagleDrafter)
+    first = next(p for p in model.parameters() if p.requires_grad)
+    first.grad = torch.ones_like(first)              # gradients mid-accumulation
+    latest = LatestDrafter()
+    latest.take(model, 1)
+    held = latest.module
+    assert isinstance(held, EagleDrafter)
+    assert held.embed.weight is model.embed.weight and held.lm_head.weight is model.lm_head.weight
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    ours, theirs = dict(model.named_parameters()), dict(held.named_parameters())
+    assert trainable and all(theirs[n] is not ours[n] and torch.equal(theirs[n], ours[n]) for n in trainable)
+    assert all(p.grad is None and not p.requires_grad for p in held.parameters())
+    assert first.grad is not None and bool((first.grad == 1).all())     # untouched
+    tr.refresh_target(shared())                      # the target rewrote its head: LATEST scores against it too
+    latest.share_frozen(model)
+    assert torch.equal(held.lm_head.weight, model.lm_head.weight)
