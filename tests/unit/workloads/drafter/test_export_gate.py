@@ -3,8 +3,8 @@ real export directory: no mocks. Candidates are the drafter's own checkpoints (`
 measured at once as at shutdown (`_finishing`: no idle windows to wait for).
 
 - A scripted sequence of candidates, each ~3 % worse than the one before on the held-back samples,
-  never moves LATEST below the acceptance it had at the start, re-measured on those samples (the
-  old rule, 0.9 x the last export's stored number, exported them one after the other).
+  never moves LATEST below the acceptance it had at the start, re-measured on those samples (a gate
+  comparing with 0.9 x the number stored at the last export lets every one through: LATEST 5.0 -> 4.1).
 - The job's absolute floor (spec.drafter.export.minAcceptance): a candidate below it is never LATEST.
 - Every rejection is counted by cause, in the summary the status path and Prometheus read.
 - After a restart LATEST is read back from the export volume and is still the bar.
