@@ -2,9 +2,8 @@
 on the same held-back batch, three ways, interleaved in one process (ratios are side by side):
 
 - plain: the candidate alone (what a gate comparing with a stored number measures);
-- paired: the candidate and LATEST on every chunk, chunks of half the sequences (what the gate runs:
-  a chunk then fits about the windows a plain chunk fits);
-- paired, full chunks: the same with chunks as large as plain ones (fewer, longer chunks).
+- paired: what the gate runs, every chunk measured by the candidate and then by LATEST (two tasks,
+  each the size of a plain chunk, so each fits the windows a plain chunk fits).
 
     PYTHONPATH=operator:workloads python scripts/export_gate_cost.py [--device cpu] [--arch Eagle] [--repeats 25]
 
@@ -53,28 +52,25 @@ def main() -> None:
     latest = LatestDrafter()
     latest.take(tr.model, 1)
 
-    def decision(reference: Any, scale: int = 1) -> tuple[float, int]:
-        """Seconds and chunks of one verification round (a gate decision's measurement)."""
-        tr.verifier.batch = s.verify_batch * scale
-        t0, chunks, result = time.perf_counter(), 0, None
+    def decision(reference: Any) -> tuple[float, int]:
+        """Seconds and tasks of one verification round (a gate decision's measurement)."""
+        t0, tasks, result = time.perf_counter(), 0, None
         tr.begin_verify(held, reference)
         while result is None:
-            result, chunks = tr.verify_chunk(), chunks + 1
-        tr.verifier.batch = s.verify_batch
-        return time.perf_counter() - t0, chunks
+            result, tasks = tr.verify_chunk(), tasks + 1
+        return time.perf_counter() - t0, tasks
 
-    runs: dict[str, list[tuple[float, int]]] = {"plain": [], "paired": [], "paired_full_chunks": []}
+    runs: dict[str, list[tuple[float, int]]] = {"plain": [], "paired": []}
     for i in range(args.repeats + 2):            # the first two warm up
-        for name, ref, scale in (("plain", None, 1), ("paired", latest.module, 1),
-                                 ("paired_full_chunks", latest.module, 2)):
+        for name, ref in (("plain", None), ("paired", latest.module)):
             if i >= 2:
-                runs[name].append(decision(ref, scale))
+                runs[name].append(decision(ref))
             else:
-                decision(ref, scale)
+                decision(ref)
     out: dict[str, Any] = {"device": str(dev), "arch": args.arch, "held_back": len(held), "seq": s.seq_cap}
     for name, xs in runs.items():
         ms = statistics.median(t for t, _ in xs) * 1e3
-        out[f"{name}_round_ms"], out[f"{name}_chunk_ms"] = round(ms, 2), round(ms / xs[0][1], 2)
+        out[f"{name}_round_ms"], out[f"{name}_task_ms"] = round(ms, 2), round(ms / xs[0][1], 2)
     out["paired_over_plain"] = round(out["paired_round_ms"] / out["plain_round_ms"], 3)
     trainable = sum(p.numel() * p.element_size() for p in tr.model.parameters() if p.requires_grad)
     out["latest_copy_mb"] = round(trainable / 2**20, 3)

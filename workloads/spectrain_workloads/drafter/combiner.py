@@ -200,7 +200,6 @@ def micro_key(b: int) -> tuple[str, int]:
 
 OPTIM_KEY = ("optim", 0)
 VERIFY_KEY = ("verify", 0)
-GATE_KEY = ("gate", 0)          # the export gate's paired verification chunk (candidate and LATEST)
 
 
 class BatchCombiner:

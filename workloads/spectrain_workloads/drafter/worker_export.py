@@ -12,9 +12,9 @@ LATEST is not a number stored at its own export: the gate holds LATEST as a mode
 (export_latest.LatestDrafter) and measures both on the same samples in one paired verification
 round, so no tolerance compounds from export to export and LATEST never steps down on the samples
 of the day. The round runs chunk by chunk in idle windows (at shutdown, when the target is done, at
-once; a paired chunk holds half the sequences of a plain one, timed under its own cost key GATE_KEY); the
-weights stay those of the candidate: no optimizer step, no combining round and no re-measurement of
-costs until it is decided (micro-steps go on, their gradients accumulate). Without held-back samples
+once), each chunk measured by the candidate and then by LATEST as two tasks of a plain chunk's
+cost; meanwhile the weights stay those of the candidate: no optimizer step, no combining round and
+no re-measurement of costs until it is decided (micro-steps go on, their gradients accumulate). Without held-back samples
 yet the finite check alone decides the first version; once there is a LATEST or a floor, a candidate
 that could not be measured is rejected. Rejections are logged (`export_rejected`) and counted by
 cause (names.EXPORT_REJECT_CAUSES: `exportsRejectedByCause`, `exportsRejected`).

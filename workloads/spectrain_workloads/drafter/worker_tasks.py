@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from spectrain_api.names import ACTIVE, ALWAYS, IDLE_ONLY, WAITING
-from spectrain_workloads.drafter.combiner import GATE_KEY, OPTIM_KEY, VERIFY_KEY, micro_key
+from spectrain_workloads.drafter.combiner import OPTIM_KEY, VERIFY_KEY, micro_key
 from spectrain_workloads.drafter.gating import UNIT_KEY, Budget, Task, pick_task
 from spectrain_workloads.drafter.metrics import NO_WINDOW
 from spectrain_workloads.drafter.train import DrafterTrainer
@@ -120,19 +120,11 @@ class WindowWork(Intake, Reporting):
         optim = (("optim", OPTIM_KEY, self.cost.estimate(OPTIM_KEY), 0)
                  if self.combiner.accumulated > 0 and self.candidate is None else None)
         due = time.monotonic() - self._last_verify >= self.s.verify_every_s and self.buffer.eval_fresh() > 0
-        verify = self._verify_task() if tr.verifier.in_progress or due else None
+        verify = ("verify", VERIFY_KEY, self.cost.estimate(VERIFY_KEY), 0) if tr.verifier.in_progress or due else None
         plan = self.combiner.plan(budget.remaining_ns, self.buffer.trainable())
         train = None if plan is None else ("train", micro_key(plan.micro_batch), plan.cost_ns, plan.micro_batch)
         return pick_task(self.gate, budget, starting=starting, optim=optim, optim_due=self.combiner.step_due(),
                          verify=verify, train=train)
-
-    def _verify_task(self) -> Task:
-        """The next verification chunk: the export gate's paired one (the candidate and LATEST on half as
-        many sequences: about a plain chunk's cost, timed apart so each estimate stays its own), or a plain one."""
-        assert self.trainer is not None
-        if self.trainer.verifier.paired:
-            return ("verify", GATE_KEY, self.cost.estimate(GATE_KEY) or self.cost.estimate(VERIFY_KEY), 0)
-        return ("verify", VERIFY_KEY, self.cost.estimate(VERIFY_KEY), 0)
 
     def _work(self) -> bool:
         """Run tasks while the gate allows; True if at least one ran."""
@@ -172,8 +164,10 @@ class WindowWork(Intake, Reporting):
                 result = tr.verify_chunk()
                 if result is not None:
                     self._acceptance(result.to_dict())
-                    if self.candidate is not None:
-                        self.candidate["result"] = result   # exported between windows (housekeeping)
+                    if self.candidate is not None and "result" not in self.candidate:
+                        # its own round (paired with LATEST), decided between windows (housekeeping); a
+                        # periodic round that completes before that does not replace it
+                        self.candidate["result"] = result
             t1 = time.monotonic_ns()
             self.cost.observe(key, t1 - t0)
             if name != "verify" and self.replicas is not None:

@@ -155,7 +155,7 @@ def test_the_floor_unmeasured_candidates_and_latest_after_a_restart(tmp_path: Pa
     assert (w2.export_dir / "LATEST").read_text().strip() == "v2"   # type: ignore[operator]
 
 
-def test_a_paired_round_measures_each_model_as_alone_on_half_size_chunks(tmp_path: Path) -> None:
+def test_a_paired_round_measures_each_model_as_alone_on_the_same_chunks(tmp_path: Path) -> None:
     w = _worker(tmp_path)
     tr = w.trainer
     assert tr is not None
@@ -168,7 +168,7 @@ def test_a_paired_round_measures_each_model_as_alone_on_half_size_chunks(tmp_pat
     while result is None:
         assert tr.verifier.paired
         result, chunks = tr.verify_chunk(), chunks + 1
-    assert chunks == HELD_BACK // (w.s.verify_batch // 2) and not tr.verifier.paired
+    assert chunks == 2 * HELD_BACK // w.s.verify_batch and not tr.verifier.paired   # each chunk: candidate, LATEST
     assert result.reference is not None and w.latest.module is not None
     alone = measure(w.latest.module, held, tr.target_head, k=K, max_starts=2)
     assert result.reference.to_dict() == alone.to_dict() and alone.acceptance_length == 5.0
