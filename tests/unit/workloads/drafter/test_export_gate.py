@@ -29,7 +29,7 @@ from spectrain_workloads.drafter.export_latest import LatestDrafter
 from spectrain_workloads.drafter.models import EagleDrafter, TargetShared
 from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.drafter.train import DrafterTrainer
-from spectrain_workloads.drafter.verify import measure
+from spectrain_workloads.drafter.verify import measure, measure_batch
 from spectrain_workloads.drafter.worker import Worker
 from spectrain_workloads.model import ModelConfig, model_config
 
@@ -82,9 +82,10 @@ def _train(w: Worker, perm: torch.Tensor, steps: int, seed: int) -> None:
 
 
 def _acceptance(model: torch.nn.Module, w: Worker) -> float:
+    """On every held-back walk at once (measure_batch: the sum of the rows measured one by one)."""
     assert w.trainer is not None
-    samples = [(s.tokens, s.hidden) for s in w.buffer.eval]
-    return measure(model, samples, w.trainer.target_head, k=K, max_starts=2).acceptance_length
+    tokens = torch.stack([s.tokens for s in w.buffer.eval])
+    return measure_batch(model, tokens, None, w.trainer.target_head, k=K, max_starts=2).acceptance_length
 
 
 def _latest(w: Worker) -> float:
