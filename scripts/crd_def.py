@@ -356,6 +356,11 @@ def spec_schema() -> dict[str, Any]:
                       **{"x-kubernetes-validations": [
                           rule("!self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')",
                                "spec.drafter.export.path must be relative and must not contain '..'")]}),
+            "minAcceptance": n("Absolute floor of the export gate: a candidate whose acceptance length (tokens per "
+                               "verification) on the held-back samples is below it never becomes LATEST, nor one "
+                               "that could not be measured. 0: no floor (candidates must still measure at least "
+                               "LATEST's acceptance on the same samples).", minimum=0,
+                               maximum=C.MAX_MIN_ACCEPTANCE),
         }, default={}),
         "exchange": o("How the drafters of a job work as one: the last pipeline stage's drafters share the "
                       "samples they read with the other stages' drafters, and every drafter's replica is "
@@ -577,6 +582,12 @@ def status_schema() -> dict[str, Any]:
             "reportFieldsRefused": i("Fields of the pods' drafter reports ignored in the last pass (not a state, "
                                      "a number out of range, an artifact not from the exporting rank or not "
                                      "under the export path): Event DrafterReportRefused names them.", minimum=0),
+            "exportsRejectedByCause": o("Candidate exports the export gate kept from LATEST, by cause: below_latest "
+                                        "(under LATEST re-measured on the same held-back samples), below_floor "
+                                        "(under spec.drafter.export.minAcceptance), non_finite, unmeasured, "
+                                        "version_reused.",
+                                        {c: i(f"Candidates rejected: {c}.", minimum=0)
+                                         for c in C.EXPORT_REJECT_CAUSES}),
         }),
     })
 

@@ -143,9 +143,11 @@ ROWS: tuple[Row, ...] = (
                Query(rate("spectrain_drafter_samples_received_total", RANK, f"{PER_RANK}, source"),
                      "received {{job_name}} r{{rank}} {{source}}"))),
         Panel("Exports held back",
-              "Candidate exports the acceptance gate refused (not finite, or acceptance below the floor).",
-              (Query(f"sum by ({PER_RANK}) (increase(spectrain_drafter_exports_rejected_total{{{RANK}}}"
-                     "[$__rate_interval]))", "{{job_name}} r{{rank}}"),)),
+              "Candidate exports the gate kept from LATEST, by cause: below_latest (under LATEST re-measured on "
+              "the same held-back samples), below_floor (under spec.drafter.export.minAcceptance), non_finite, "
+              "unmeasured, version_reused.",
+              (Query(f"sum by ({PER_RANK}, cause) (increase(spectrain_drafter_exports_rejected_total{{{RANK}}}"
+                     "[$__rate_interval]))", "{{job_name}} r{{rank}} {{cause}}"),)),
     )),
     Row("Drafter exchange", (
         Panel("Exchange traffic",

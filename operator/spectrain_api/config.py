@@ -129,6 +129,7 @@ class DrafterOptimizerSpec:
 class ExportSpec:
     claim_name: str = ""
     path: str = DRAFTER_DIR            # under the run volume's drafter/: no mount of its own (rundir)
+    min_acceptance: float = 0.0        # minAcceptance: no candidate below it becomes LATEST (0: no floor)
 
 
 @dataclass(kw_only=True)

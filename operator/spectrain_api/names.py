@@ -135,6 +135,16 @@ REPORT_PROGRESS = "progress"
 REPORT_DRAFTER = "drafter"
 MAX_REPORT_CHARS = 4096
 DEVICES = ("auto", "cpu", "cuda")
+# The export gate (drafter.worker_export): why a candidate export was not made LATEST. Counted per cause
+# in the drafter's summary (exportsRejectedByCause), Prometheus (spectrain_drafter_exports_rejected_total
+# {cause}) and status.drafter.exportsRejectedByCause. below_latest: under LATEST re-measured on the same
+# held-back samples; below_floor: under spec.drafter.export.minAcceptance; non_finite: weights or
+# acceptance not finite; unmeasured: no held-back samples (or no idle window) to measure it against
+# LATEST or the floor; version_reused: a version at or below the export root's high-water mark.
+EXPORT_REJECT_CAUSES = ("below_latest", "below_floor", "non_finite", "unmeasured", "version_reused")
+# spec.drafter.export.minAcceptance, in tokens per verification (the acceptance length, >= 1 for any
+# drafter: the target's own token); 0 is no floor. The bound keeps a typo from rejecting every export.
+MAX_MIN_ACCEPTANCE = 64.0
 # The workload image's non-root user (workloads/Dockerfile ARG UID/GID): the operator's pods run as it
 # by default (Pod Security "restricted"), and PodLocalMPS's one shared UID defaults to it.
 IMAGE_UID = 1000

@@ -29,6 +29,7 @@ from spectrain_api.names import (
     INTERLEAVED,
     INTERLEAVED_CHUNKS,
     MAX_DRAFT_TOKENS,
+    MAX_MIN_ACCEPTANCE,
     MODES,
     ONE_F_ONE_B,
     OPTIMIZERS,
@@ -67,6 +68,7 @@ def check_spec(cfg: JobConfig) -> list[str]:
     if not d.exchange.combine_every_seconds >= 1:
         out.append(f"spec.drafter.exchange.combineEverySeconds: must be >= 1, got {d.exchange.combine_every_seconds}")
     out += rundir.export_path_errors(d.export.claim_name, d.export.path)
+    out += min_acceptance_errors(d.export.min_acceptance)
     out += shared_volume_errors(cfg)
     out += _data_source_errors(t.data.source)
     if par.data < 1 or par.pipeline < 1 or par.microbatches < 1:
@@ -94,6 +96,17 @@ def check_spec(cfg: JobConfig) -> list[str]:
                    f"(preset {t.model.preset or DEFAULT_PRESET}); lower seqLen or set "
                    "spec.target.model.overrides.max_seq_len")
     return out
+
+
+def min_acceptance_errors(value: Any) -> list[str]:
+    """spec.drafter.export.minAcceptance: a number in [0, MAX_MIN_ACCEPTANCE] (the drafter's settings
+    check the same value with this rule)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= MAX_MIN_ACCEPTANCE
+    if ok:
+        return []
+    return [f"spec.drafter.export.minAcceptance: {value!r} is not a number in [0, {MAX_MIN_ACCEPTANCE:g}]; set the "
+            "acceptance length (tokens per verification, e.g. 2.5) below which no export becomes LATEST, or 0 "
+            "for no floor"]
 
 
 def shared_volume_errors(cfg: JobConfig) -> list[str]:

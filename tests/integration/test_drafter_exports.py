@@ -4,9 +4,10 @@ One exporting drafter, three incarnations on one export volume:
 1. versions exported as it trains (v1..v3 at least);
 2. restarted with its checkpoints wiped (a restart that lost them): the next export is above every
    version the volume ever had; the versions already there are left as they were;
-3. restarted (resuming) with an acceptance floor no version can meet (99 x): every candidate is
-   measured on held-back samples in idle windows and rejected: counted in the summary, logged, never a
-   directory; LATEST stays. The export loads, its sha256 checked.
+3. restarted (resuming) with an absolute floor no version can meet (minAcceptance 60 tokens) and the
+   comparison with LATEST on: every candidate is measured with LATEST (reloaded from the volume) on
+   held-back samples in idle windows, in one paired round, and rejected: counted by cause in the
+   summary, logged, never a directory; LATEST stays. The export loads, its sha256 checked.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ torch.set_num_threads(1)
 # windows long enough for a verification chunk (the gate measures candidates in them) on a loaded machine
 SPEC = SyntheticSpec(windows=[WindowSpec(kind="Bubble", duration_ms=80.0)], compute_ms=4.0, data_per_step=2,
                      seq_len=64, seed=0)
-SETTINGS = {"checkpoint_every_s": 0.3, "verify_every_s": 0.5, "export_acceptance_floor": 0.0}
+SETTINGS = {"checkpoint_every_s": 0.3, "verify_every_s": 0.5, "export_vs_latest": False}
 
 
 def _digest(d: Path) -> str:
@@ -42,13 +43,18 @@ def _versions(export: Path) -> dict[int, Path]:
     return {int(p.name[1:]): p for p in export.glob("v*") if p.is_dir()}
 
 
-def _incarnation(pod: Pod, target: SyntheticTarget, event: str, count: int, what: str,
-                 **settings: Any) -> list[dict[str, Any]]:
-    """Start the drafter, drive the target until `count` new `event`s, SIGTERM; -> those events."""
+def _incarnation(pod: Pod, target: SyntheticTarget, event: str, count: int, what: str, *,
+                 cause: str | None = None, **settings: Any) -> list[dict[str, Any]]:
+    """Start the drafter, drive the target until `count` new `event`s (of `cause`, if given), SIGTERM;
+    -> those events (all causes)."""
     pod.settings = {**SETTINGS, **settings}
     before = len(pod.of(event))
+
+    def new() -> list[dict[str, Any]]:
+        return [e for e in pod.of(event)[before:] if cause is None or e.get("cause") == cause]
+
     proc = pod.start_drafter()
-    drive(target, lambda: len(pod.of(event)) >= before + count, 180, what, proc)
+    drive(target, lambda: len(new()) >= count, 180, what, proc)
     assert pod.stop_drafter(signal.SIGTERM) == 0
     return pod.of(event)[before:]
 
@@ -72,7 +78,7 @@ def test_exports_never_reuse_a_version_and_are_gated_on_acceptance(tmp_path: Pat
         assert all(_digest(p) == kept[v] for v, p in _versions(export).items() if v in kept)
 
         rejected = _incarnation(pod, target, "export_rejected", 2, "two candidates measured and rejected",
-                                export_acceptance_floor=99.0)
+                                cause="below_floor", export_vs_latest=True, min_acceptance=60.0)
     finally:
         pod.kill()
         target.close()
@@ -80,11 +86,18 @@ def test_exports_never_reuse_a_version_and_are_gated_on_acceptance(tmp_path: Pat
     summary = pod.summary()
     assert pod.of("setup")[-1]["resumed_version"] >= high
     assert summary["exportsRejected"] == len(pod.of("export_rejected")) >= 2
-    assert all(e["acceptance_length"] is not None and e["reference"] is not None and e["version"] > high
-               and "acceptance length" in e["reason"] for e in rejected), rejected
-    assert "acceptance length" in summary["exportRejectedReason"]
+    # measured (paired with LATEST, reloaded from the volume) and under the floor; or, before any sample
+    # was held back after the restart, not measured: neither becomes LATEST
+    by_cause = summary["exportsRejectedByCause"]
+    assert sum(by_cause.values()) == summary["exportsRejected"] and by_cause["below_floor"] >= 2, by_cause
+    assert {e["cause"] for e in rejected} <= {"below_floor", "unmeasured"}, rejected
+    measured = [e for e in rejected if e["cause"] == "below_floor"]
+    assert all(e["acceptance_length"] is not None and e["latest_acceptance_length"] is not None
+               and e["latest_version"] == high and e["version"] > high and "minAcceptance 60" in e["reason"]
+               for e in measured), measured
+    assert "minAcceptance" in summary["exportRejectedReason"]
     assert max(_versions(export)) == high and (export / "LATEST").read_text().strip() == f"v{high}"
     assert summary["exportedVersion"] == high
     _, meta = load_drafter(export)
     assert meta["version"] == high and set(meta["sha256"]) == {"model.safetensors"}
-    assert meta["gate"]["floor"] == 0.0
+    assert meta["gate"]["vs_latest"] is False and meta["gate"]["min_acceptance"] == 0.0

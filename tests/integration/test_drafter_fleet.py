@@ -133,7 +133,10 @@ def test_four_drafters_share_samples_combine_and_survive_a_sigkill(tmp_path: Pat
             pod.kill()
         for t in targets:
             t.close()
-    # the export is the coordinator's newest combined version, versions monotone
+    # the export is the newest of the coordinator's versions the export gate accepted (every later one
+    # refused with a cause), versions monotone
     model, meta = load_drafter(pods[COORDINATOR].run_dir / "drafter")
     versions = [e["version"] for e in pods[COORDINATOR].of_rank("checkpoint", COORDINATOR)]
-    assert versions == sorted(versions) and meta["version"] == versions[-1]
+    assert versions == sorted(versions) and meta["version"] == pods[COORDINATOR].of_rank("export", COORDINATOR)[-1]["version"]
+    refused = {e["version"] for e in pods[COORDINATOR].of_rank("export_rejected", COORDINATOR)}
+    assert {v for v in versions if v > meta["version"]} <= refused, (versions, meta["version"], refused)

@@ -88,9 +88,12 @@ def test_drafter_works_only_inside_usable_windows_and_flushes_on_sigterm(tmp_pat
     assert summary["version"] == last_ckpt["version"]
     assert last_ckpt["optimizer_steps"] == summary["optimizerSteps"]
 
-    # The export is loadable and the drafter learnt: clearly above an untrained one on fresh text.
+    # The export is loadable and the drafter learnt: clearly above an untrained one on fresh text. It is
+    # the newest candidate the export gate accepted; every checkpoint after it was refused with a cause.
     drafter, meta = load_drafter(pod.run_dir / "drafter")
-    assert meta["version"] == last_ckpt["version"] and meta["arch"] == "Eagle"
+    assert meta["version"] == pod.of("export")[-1]["version"] and meta["arch"] == "Eagle"
+    later = {e["version"] for e in pod.of("checkpoint") if e["version"] > meta["version"]}
+    assert later == {e["version"] for e in pod.of("export_rejected") if e["version"] > meta["version"]}, later
     tokens = text_sequences(6, 64, seed=99)
     hidden = target_hidden(target.model, tokens)
     fresh = build_drafter(DrafterSettings(seed=7), TARGET_CFG)

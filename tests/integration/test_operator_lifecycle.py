@@ -85,7 +85,8 @@ def test_running_progress_and_drafter_from_the_pods_reports(env: Env, tmp_path: 
     env.run_pods("r1", pods)
     with as_pod(env.kube, pods[0], tmp_path / "sa"):
         podstatus.report_progress({"step": 7, "loss": 2.5, "tokensPerSecond": 99.0}, flush=True)
-        podstatus.report_drafter({"state": "Active", "harvestedSeconds": 1.5, "harvestEfficiency": 0.5}, flush=True)
+        podstatus.report_drafter({"state": "Active", "harvestedSeconds": 1.5, "harvestEfficiency": 0.5,
+                                  "exportsRejectedByCause": {"below_latest": 2, "below_floor": 1}}, flush=True)
         env.wait_phase("r1", "Running")
         st = wait_for(lambda: (s := env.status("r1")).get("progress", {}).get("step") == 7
                       and s.get("drafter", {}).get("state") == "Active" and s, 10, what="progress from the report")
@@ -96,6 +97,9 @@ def test_running_progress_and_drafter_from_the_pods_reports(env: Env, tmp_path: 
         assert request_status("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{env.ns}/{PLURAL}/r2") == 403
     assert st["progress"]["loss"] == 2.5 and st["ready"] == "2/2"
     assert st["drafter"]["harvestedSeconds"] == 1.5
+    # the export gate's rejections by cause, kept by the CRD's status schema (not pruned)
+    assert st["drafter"]["exportsRejectedByCause"] == {"below_latest": 2, "below_floor": 1, "non_finite": 0,
+                                                       "unmeasured": 0, "version_reused": 0}
     (report,) = st["reports"].values()
     assert st["reports"].keys() == {pods[0]["metadata"]["uid"]} and report["pod"] == "r1-0"
     # the pass posts its Events after writing the status: wait for them, not just the status

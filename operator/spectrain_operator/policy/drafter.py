@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from spectrain_api.names import ACTIVE, DEGRADED, EXIT_OK, EXIT_PEER_FRAME, REPORT_DRAFTER, SUCCEEDED
+from spectrain_api.names import (
+    ACTIVE,
+    DEGRADED,
+    EXIT_OK,
+    EXIT_PEER_FRAME,
+    EXPORT_REJECT_CAUSES,
+    REPORT_DRAFTER,
+    SUCCEEDED,
+)
 from spectrain_api.reports import HARVEST_CLOCK_SLACK_S, checked_drafter_report, export_rank
 from spectrain_operator import builders, faults, objects
 from spectrain_operator import pods as podlib
@@ -175,7 +183,7 @@ def checked_reports(pods_by_node: dict[int, Obj], job_status: object, job: Obj,
 def summary(reports: list[Obj], previous: object, *, enabled: bool, degraded: bool, refused: int = 0) -> Obj:
     """status.drafter from the pods' checked drafter reports (`checked_reports`): state, active
     ranks, harvested seconds (sum), harvest efficiency and acceptance length (means), the exported
-    artifact (the exporting pod's); a figure no pod reports keeps its previous value. `refused`:
+    artifact (the exporting pod's), the export gate's rejections by cause; a figure no pod reports keeps its previous value. `refused`:
     the report fields refused in this pass (status.drafter.reportFieldsRefused)."""
     prev: Obj = previous if isinstance(previous, dict) else {}
     artifact = next((r["artifact"] for r in reports if r.get("artifact")),
@@ -200,4 +208,32 @@ def summary(reports: list[Obj], previous: object, *, enabled: bool, degraded: bo
             else finite(prev.get("harvestEfficiency")) or 0.0,
             "acceptanceLength": round(sum(acceptance) / len(acceptance), 4) if acceptance
             else finite(prev.get("acceptanceLength")),
-            "artifact": artifact, "reportFieldsRefused": refused}
+            "artifact": artifact, "reportFieldsRefused": refused,
+            "exportsRejectedByCause": export_rejections(reports, prev)}
+
+
+# Bound of a reported rejection count: the CRD's integer (int32); a larger one is not a drafter's.
+MAX_REJECTIONS = 2**31 - 1
+
+
+def export_rejections(reports: list[Obj], previous: Obj) -> dict[str, int]:
+    """status.drafter.exportsRejectedByCause: per cause of names.EXPORT_REJECT_CAUSES, the sum of the
+    pods' drafter reports (only the exporting rank's gate rejects). A count that is not an integer in
+    [0, MAX_REJECTIONS], or of another cause, is not read; with no pod reporting any, the previous ones."""
+    total = dict.fromkeys(EXPORT_REJECT_CAUSES, 0)
+    seen = False
+    for r in reports:
+        by = r.get("exportsRejectedByCause")
+        if not isinstance(by, dict):
+            continue
+        seen = True
+        for cause in EXPORT_REJECT_CAUSES:
+            n = by.get(cause)
+            if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_REJECTIONS:
+                total[cause] = min(total[cause] + n, MAX_REJECTIONS)
+    if seen:
+        return total
+    before = previous.get("exportsRejectedByCause")
+    before = before if isinstance(before, dict) else {}
+    return {c: n if isinstance(n := before.get(c), int) and not isinstance(n, bool) and 0 <= n <= MAX_REJECTIONS
+            else 0 for c in EXPORT_REJECT_CAUSES}

@@ -230,6 +230,23 @@ def test_exchange_rules_name_their_fields() -> None:
     assert "spec.drafter.exchange.enabled: false" in errors[0]
 
 
+@pytest.mark.parametrize("bad", [-0.5, 65, float("nan"), float("inf"), True, "2.5"])
+def test_min_acceptance_rule_names_its_field_and_the_fix(bad: Any) -> None:
+    cfg = JobConfig()
+    cfg.drafter.export.min_acceptance = bad
+    (error,) = check_spec(cfg)
+    assert error.startswith("spec.drafter.export.minAcceptance: ") and "or 0 for no floor" in error, error
+    with pytest.raises(ConfigError, match=r"spec\.drafter\.export\.minAcceptance"):
+        DrafterSettings(min_acceptance=bad)       # the drafter checks its setting with the same rule
+
+
+def test_min_acceptance_travels_from_the_manifest_to_the_drafter_settings() -> None:
+    cfg = workload_start(manifest({"drafter": {"export": {"minAcceptance": 2.5}}}))   # CRD defaults applied
+    assert check_spec(cfg) == [] and cfg.drafter.export.min_acceptance == 2.5
+    assert DrafterSettings.from_spec(cfg.drafter).min_acceptance == 2.5
+    assert DrafterSettings.from_spec(JobConfig().drafter).min_acceptance == 0.0
+
+
 # ------------------------------------------------------------------------- generation from the contract
 
 def test_crd_defaults_come_from_the_config_dataclasses() -> None:

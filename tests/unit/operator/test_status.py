@@ -621,7 +621,9 @@ def test_progress_and_drafter_from_the_pods_reports() -> None:
     prog = json.dumps({"step": 120, "totalSteps": 1000, "loss": 3.21, "tokensPerSecond": 1850.0,
                        "updatedAt": "2026-01-01T11:59:00Z"})
     d0 = json.dumps({"state": "Active", "harvestedSeconds": 20.0, "harvestEfficiency": 0.8,
-                     "acceptanceLength": 2.0})
+                     "acceptanceLength": 2.0,
+                     "exportsRejectedByCause": {"below_latest": 3, "below_floor": 1, "unknown": 5,
+                                                "non_finite": -2, "unmeasured": True, "version_reused": 1.5}})
     artifact = f"{builders.export_dir(j)}/v3"      # from the exporting (last) rank's pod
     d1 = json.dumps({"state": "Waiting", "harvestedSeconds": 21.7, "harvestEfficiency": 0.92, "artifact": artifact})
     pods = running(j)
@@ -634,6 +636,9 @@ def test_progress_and_drafter_from_the_pods_reports() -> None:
     assert d["state"] == "Active" and d["activeRanks"] == 1
     assert d["harvestedSeconds"] == pytest.approx(41.7) and d["harvestEfficiency"] == pytest.approx(0.86)
     assert d["acceptanceLength"] == 2.0 and d["artifact"] == artifact and d["reportFieldsRefused"] == 0
+    # the gate's rejections by cause: known causes, non-negative integers only
+    assert d["exportsRejectedByCause"] == {"below_latest": 3, "below_floor": 1, "non_finite": 0, "unmeasured": 0,
+                                           "version_reused": 0}
     assert cond(plan, "DrafterActive")["status"] == "True"
     assert STATUS_REPORTS not in plan.status, "the reports are the pods': the operator never writes them back"
 

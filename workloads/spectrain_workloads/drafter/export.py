@@ -53,11 +53,15 @@ _CKPT = re.compile(r"^ckpt-(\d+)$")
 _EXPORT = re.compile(r"^v(\d+)$")
 HIGH_WATER = ".versions"          # the export root's version high-water mark (JSON)
 LOCK = ".lock"
-NOISE_Z = 2.0                     # the acceptance gate's tolerance, in standard errors of the difference
 
 
 class ExportRefused(ValueError):
-    """An export that would reuse a version, move LATEST backwards or ship non-finite weights."""
+    """An export that would reuse a version, move LATEST backwards or ship non-finite weights; `cause`:
+    one of names.EXPORT_REJECT_CAUSES (non_finite, version_reused)."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -184,26 +188,30 @@ def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
 
 
-def acceptance_verdict(acceptance: float | None, reference: float | None, floor: float, *,
-                       stderr: float = 0.0, reference_stderr: float = 0.0) -> str | None:
-    """Why a candidate's acceptance length fails `floor` x the last exported version's (the worker's gate),
-    or None when it passes. Both are measurements on a few dozen held-back chains: the candidate fails
-    only when it is below the floor by more than NOISE_Z standard errors of the difference (`stderr`,
-    `reference_stderr`: of each measurement), so that noise alone rarely rejects a version no worse.
-    No reference (nothing exported with a measurement yet): nothing to compare with, it passes (the
-    first versions, before any sample was held back: the finite check decides). A reference but no
-    measurement of the candidate (no held-back samples, e.g. right after a restart): it fails, since
-    nothing shows it is not worse. Floor 0: no acceptance gate."""
-    if reference is None or floor <= 0:
+def gate_verdict(acceptance: float | None, latest: float | None, min_acceptance: float, *,
+                 latest_exists: bool) -> tuple[str, str] | None:
+    """(cause, reason) why a candidate must not become LATEST (the exporting rank's gate), or None.
+
+    `acceptance`: the candidate's acceptance length on the held-back samples (None: not measured);
+    `latest`: LATEST's, measured on the same samples in the same round; `latest_exists`: there is a
+    LATEST to compare with. Both measured together, the comparison has no tolerance: a candidate below
+    LATEST by any amount is rejected, so a run of slightly worse candidates cannot walk LATEST down (a
+    tolerance of x per export compounds to x^n). `min_acceptance` > 0: an absolute floor. Unmeasured
+    (no held-back samples yet, e.g. right after a restart): rejected while there is a LATEST or a floor
+    to meet, since nothing shows it meets them; with neither (the first versions) the finite check
+    alone decides."""
+    if acceptance is None or (latest_exists and latest is None):
+        if latest_exists or min_acceptance > 0:
+            return "unmeasured", ("not measured on held-back samples against "
+                                  + ("LATEST's acceptance" if latest_exists else f"minAcceptance {min_acceptance:g}"))
         return None
-    if acceptance is None:
-        return "no held-back samples to measure it against the last exported version's acceptance"
     if not math.isfinite(acceptance):
-        return f"acceptance length {acceptance} is not finite"
-    margin = NOISE_Z * math.hypot(stderr, floor * reference_stderr)
-    if acceptance + margin < floor * reference:
-        return (f"acceptance length {acceptance:.3f} < {floor:g} x {reference:.3f} (the last exported "
-                f"version's) by more than {NOISE_Z:g} standard errors ({margin:.3f})")
+        return "non_finite", f"acceptance length {acceptance} is not finite"
+    if acceptance < min_acceptance:
+        return "below_floor", f"acceptance length {acceptance:.3f} < minAcceptance {min_acceptance:g}"
+    if latest is not None and acceptance < latest:
+        return "below_latest", (f"acceptance length {acceptance:.3f} < {latest:.3f}, LATEST's on the same "
+                                "held-back samples")
     return None
 
 
@@ -249,13 +257,14 @@ def export_drafter(export_dir: str | os.PathLike[str], version: int | None, modu
     tensors = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
     bad = nonfinite_tensors(tensors)
     if bad:
-        raise ExportRefused(f"weights not finite: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
+        raise ExportRefused(f"weights not finite: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}",
+                            "non_finite")
     with _locked(root):
         high = export_high_water(root)
         version = high + 1 if version is None else version
         if version <= high:
             raise ExportRefused(f"version {version} is not above {root}'s high-water mark v{high}: "
-                                "a version is never rewritten and LATEST never moves backwards")
+                                "a version is never rewritten and LATEST never moves backwards", "version_reused")
         atomic_write_text(root / HIGH_WATER, json.dumps({"high_water": version}) + "\n")   # reserved first
         config = {**meta, "format": FORMAT, "arch": arch, "version": version, "model_config": cfg.to_dict(),
                   "vocab_size": cfg.vocab_size, "exported_at": time.time()}

@@ -35,7 +35,6 @@ _COUNTERS = {
     "combined_work_seconds": ("combinedWorkSeconds", "This rank's window work that a combined version holds, "
                               "i.e. that reaches the export (the numerator of the report's effective harvest)."),
     "optimizer_steps": ("optimizerSteps", "Drafter optimizer steps."),
-    "exports_rejected": ("exportsRejected", "Candidate exports held back (not finite, or acceptance below the floor)."),
     "exchange_frames_dropped": ("exchangeFramesDropped", "Exchange frames dropped (bandwidth cap, slow peer, full inbox)."),
     "ring_samples_dropped": ("dataDropped", "Samples the ring overwrote before the drafter read them."),
     "ring_records_corrupt": ("ringRecordsCorrupt", "Complete ring records that did not decode: skipped."),
@@ -68,6 +67,9 @@ def _series(summary: Mapping[str, Any]) -> dict[tuple[str, tuple[tuple[str, str]
     for key, direction in (("exchangeBytesSent", "sent"), ("exchangeBytesReceived", "received")):
         if (v := _number(summary.get(key))) is not None:
             out[("exchange_bytes", (("direction", direction),))] = v
+    for cause, v in (summary.get("exportsRejectedByCause") or {}).items():
+        if (n := _number(v)) is not None:
+            out[("exports_rejected", (("cause", str(cause)),))] = n
     for cause, v in (summary.get("exchangeRejectedByCause") or {}).items():
         if (n := _number(v)) is not None:
             out[("exchange_rejected", (("cause", str(cause)),))] = n
@@ -81,12 +83,15 @@ _HELP = {**{n: h for n, (_, h) in _COUNTERS.items()},
          "harvested_seconds": "Drafter work inside idle windows, by window kind.",
          "samples_received": "Samples that reached the drafter, by source (its ring, its peers).",
          "exchange_bytes": "Bytes of the drafter exchange, by direction.",
+         "exports_rejected": "Candidate exports the gate kept from LATEST, by cause (below_latest: under LATEST "
+                             "re-measured on the same held-back samples; below_floor: under minAcceptance; "
+                             "non_finite; unmeasured; version_reused). Every cause is present from the start.",
          "exchange_rejected": "Items from peers dropped by a check (MAC, shape, vocabulary, finiteness, "
                               "norm, claimed work, version), by cause. Above 0: a broken or hostile peer.",
          "export_work_seconds": "The coordinator's count of each member rank's window work in the versions it "
                                 "exported, the last round (combined after the members stopped) included."}
 _LABELS = {"harvested_seconds": ["kind"], "samples_received": ["source"], "exchange_bytes": ["direction"],
-           "exchange_rejected": ["cause"], "export_work_seconds": ["member_rank"]}
+           "exchange_rejected": ["cause"], "exports_rejected": ["cause"], "export_work_seconds": ["member_rank"]}
 
 
 class DrafterCollector:

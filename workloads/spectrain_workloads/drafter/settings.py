@@ -15,6 +15,7 @@ from typing import Any
 from spectrain_api.config import DrafterSpec
 from spectrain_api.errors import ConfigError
 from spectrain_api.names import ACTIVATION_POLICIES, DRAFTER_ARCHS, DRAFTER_PRESETS, WINDOW_KINDS
+from spectrain_api.rules import min_acceptance_errors
 
 
 @dataclass(kw_only=True)
@@ -55,9 +56,12 @@ class DrafterSettings:
     verify_every_s: float = 5.0
     checkpoint_every_s: float = 30.0
     keep_checkpoints: int = 3
-    # the exporting rank's gate: a candidate version's acceptance length on held-back samples must be at
-    # least this fraction of the last exported version's (0: finite weights are enough)
-    export_acceptance_floor: float = 0.9
+    # the exporting rank's gate (worker_export): a candidate's acceptance length must be at least LATEST's,
+    # both measured on the same held-back samples in the same verification round (False: no comparison
+    # with LATEST; tests and benchmarks that want every version exported), and at least min_acceptance
+    # (spec.drafter.export.minAcceptance; 0: no floor)
+    export_vs_latest: bool = True
+    min_acceptance: float = 0.0
     heartbeat_every_s: float = 0.5
     seed: int = 0
 
@@ -92,9 +96,8 @@ class DrafterSettings:
                      "ttt_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"drafter setting {name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.export_acceptance_floor < 100:
-            raise ConfigError("drafter setting export_acceptance_floor must be in [0, 100), "
-                              f"got {self.export_acceptance_floor}")
+        for error in min_acceptance_errors(self.min_acceptance):
+            raise ConfigError(error)
         if self.seq_cap < 4:
             raise ConfigError(f"drafter setting seq_cap must be >= 4, got {self.seq_cap}")
         for name in ("buffer_mb", "verify_every_s", "checkpoint_every_s", "heartbeat_every_s"):
@@ -117,6 +120,7 @@ class DrafterSettings:
             lr=float(spec.optimizer.lr), seed=seed,
             feature_layers=None if spec.feature_layers is None else [int(i) for i in spec.feature_layers],
             draft_vocab_size=spec.draft_vocab_size, ttt_steps=int(spec.ttt_steps),
+            min_acceptance=spec.export.min_acceptance,
         )
         return cls(**{**base, **DRAFTER_PRESETS[spec.preset], **overrides})
 

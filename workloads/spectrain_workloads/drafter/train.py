@@ -115,8 +115,9 @@ class DrafterTrainer:
     def discard_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def begin_verify(self, samples: list[Sample]) -> None:
-        self.verifier.begin([(s.tokens, s.hidden) for s in samples])
+    def begin_verify(self, samples: list[Sample], reference: nn.Module | None = None) -> None:
+        """A verification round; with `reference` (the export gate's LATEST) a paired one (verify.Verifier)."""
+        self.verifier.begin([(s.tokens, s.hidden) for s in samples], reference)
 
     def verify_chunk(self) -> Acceptance | None:
         result = self.verifier.run_chunk(self.model, self.target_head)

@@ -19,6 +19,9 @@ For tokens-only data (LM arch without the target's hidden states) the reference 
   mass on a few tokens (an early debug target); alpha still tells drafters apart there.
 
 Work is split into chunks of a few sequences, batched, so the gate can fit verification into short windows.
+A paired round measures a second model (the export gate's LATEST) on every chunk too: each chunk is
+measured by the model, then by the reference, as two tasks of a plain chunk's size (each fits the
+windows a plain chunk fits), so the two figures come from the same sequences and chains.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class Acceptance:
     accepted_sum: int = 0
     chains: int = 0
     per_depth: list[int] = field(default_factory=list)   # chains whose first j+1 drafts were accepted
+    # a paired round (Verifier.begin with a reference model): the reference's on the same chunks
+    reference: Acceptance | None = None
 
     def merge(self, other: Acceptance) -> None:
         self.top1_hits += other.top1_hits
@@ -194,16 +199,29 @@ class Verifier:
         self.measure = measure or measure_batch     # eagle3_tasks.measure_batch for an EAGLE-3 drafter
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._acc = Acceptance(k=k, per_depth=[0] * k)
+        self._reference: nn.Module | None = None
+        self._reference_due: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None   # the chunk it measures next
         self.last: Acceptance | None = None
         self.rounds = 0
 
-    def begin(self, samples: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    def begin(self, samples: list[tuple[torch.Tensor, torch.Tensor | None]], reference: nn.Module | None = None,
+              ) -> None:
+        """A new round over `samples`; with `reference`, a paired one: the round's result carries the
+        reference model's acceptance on the same chunks (`.reference`)."""
         self._pending = list(samples)
         self._acc = Acceptance(k=self.k, per_depth=[0] * self.k)
+        self._reference, self._reference_due = reference, None
+        if reference is not None:
+            self._acc.reference = Acceptance(k=self.k, per_depth=[0] * self.k)
+
+    @property
+    def paired(self) -> bool:
+        """The round in progress measures a reference model too."""
+        return self._reference is not None and self.in_progress
 
     @property
     def in_progress(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending) or self._reference_due is not None
 
     def _take(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Up to `batch` pending sequences of the last one's length and kind (hidden or not)."""
@@ -217,12 +235,21 @@ class Verifier:
         return taken
 
     def run_chunk(self, model: nn.Module, target_head: torch.Tensor | None) -> Acceptance | None:
-        """Verify one chunk; returns the round's result when this chunk completed it."""
-        taken = self._take()
+        """Verify one chunk with `model` (in a paired round, every other call: the reference on the chunk
+        `model` measured last); returns the round's result when this call completed it."""
+        acc, measured = self._acc, model
+        if self._reference_due is not None and self._reference is not None and self._acc.reference is not None:
+            taken, self._reference_due = self._reference_due, None
+            acc, measured = self._acc.reference, self._reference
+        else:
+            taken = self._take()
+            if self._reference is not None:
+                self._reference_due = taken
         tokens = torch.stack([t for t, _ in taken])
         hidden = None if taken[0][1] is None else torch.stack([h for _, h in taken])   # type: ignore[misc]
-        self._acc.merge(self.measure(model, tokens, hidden, target_head, k=self.k, max_starts=self.max_starts))
-        if self._pending:
+        acc.merge(self.measure(measured, tokens, hidden, target_head, k=self.k, max_starts=self.max_starts))
+        if self.in_progress:
             return None
+        self._reference = None
         self.last, self.rounds = self._acc, self.rounds + 1
         return self._acc

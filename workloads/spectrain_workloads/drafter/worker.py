@@ -31,12 +31,13 @@ from typing import Any
 import torch
 
 from spectrain_api import rundir
-from spectrain_api.names import ALWAYS, OFF
+from spectrain_api.names import ALWAYS, EXPORT_REJECT_CAUSES, OFF
 from spectrain_workloads import nvml
 from spectrain_workloads.drafter import export as ex
 from spectrain_workloads.drafter.combiner import BatchCombiner, SampleBuffer
 from spectrain_workloads.drafter.control import REASON_DISABLED
 from spectrain_workloads.drafter.eagle3_assembly import FeatureAssembler
+from spectrain_workloads.drafter.export_latest import LatestDrafter
 from spectrain_workloads.drafter.fleet import Fleet
 from spectrain_workloads.drafter.gating import CostModel, Gate, WindowTracker
 from spectrain_workloads.drafter.metrics import Metrics
@@ -107,20 +108,17 @@ class Worker(WindowWork, ExportGate):
         self.disabled_by_operator = False
         self.prometheus = prometheus         # drafter.prometheus.DrafterCollector: every summary, as metrics
         self._fleet_summary: dict[str, Any] = {}
-        # the export gate (exporting rank): the checkpoint waiting for its verdict, the last exported
-        # version's acceptance length (the reference of the floor), rejections
+        # the export gate (exporting rank): the checkpoint waiting for its verdict, LATEST as a model
+        # (loaded with the trainer), rejections by cause
         self.candidate: dict[str, Any] | None = None
-        self.reference: float | None = None
-        self.reference_stderr = 0.0
+        self.latest = LatestDrafter()
         self.exported_version = 0
         self.exports_rejected = 0
+        self.rejected_by_cause = dict.fromkeys(EXPORT_REJECT_CAUSES, 0)
         self.export_rejected_reason = ""
         self._finishing = False              # shutdown: the target is done, gate verifications run at once
         if export_dir is not None:
-            last = ex.latest_export_meta(export_dir) or {}
-            self.exported_version = int(last.get("version", 0))
-            gate = last.get("gate") or {}
-            self.reference, self.reference_stderr = gate.get("acceptance_length"), float(gate.get("stderr") or 0.0)
+            self.exported_version = int((ex.latest_export_meta(export_dir) or {}).get("version", 0))
 
     # ------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -178,6 +176,7 @@ class Worker(WindowWork, ExportGate):
             self._fleet_summary = self.replicas.summary()
             self.replicas = None
         self.candidate = None
+        self.latest = LatestDrafter()        # LATEST's copy too
         self.trainer = None                  # model, optimizer, gradients, the target's frozen copies
         self.buffer = SampleBuffer(max_bytes=1, max_reuse=1, eval_every=1, eval_samples=1)
         gc.collect()
@@ -289,6 +288,7 @@ class Worker(WindowWork, ExportGate):
             # never a number an export (of this or an earlier incarnation) already used
             self.version = max(self.version, ex.export_high_water(self.export_dir))
         self.trainer = trainer
+        self._load_latest()
         layers = trainer.feature_layers
         if layers is not None and self.assembler is None:
             self.assembler = FeatureAssembler(layers, trainer.target_cfg.dim)

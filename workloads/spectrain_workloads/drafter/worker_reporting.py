@@ -48,6 +48,7 @@ class Reporting:
     data_seen: int
     exported_version: int
     exports_rejected: int
+    rejected_by_cause: dict[str, int]
     export_rejected_reason: str
     _fleet_summary: dict[str, Any]
     _last: dict[str, float]
@@ -104,6 +105,7 @@ class Reporting:
             "unitMs": None if unit is None else unit / 1e6, "costsMs": costs,
             "samplesTrained": self.combiner.samples_trained, "optimizerSteps": self.combiner.optimizer_steps,
             "exportedVersion": self.exported_version, "exportsRejected": self.exports_rejected,
+            "exportsRejectedByCause": dict(self.rejected_by_cause),
             "exportRejectedReason": self.export_rejected_reason,
             "microSteps": self.combiner.micro_steps, "dataReceived": self.data_seen,
             **(self.replicas.summary() if self.replicas is not None else self._fleet_summary),

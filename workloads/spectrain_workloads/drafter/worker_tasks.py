@@ -48,6 +48,7 @@ class WindowWork(Intake, Reporting):
 
     if TYPE_CHECKING:
         def _disabled(self) -> bool: ...     # drafter.worker.Worker: has the operator disabled it?
+        def _begin_candidate_round(self, held_back: list[Any]) -> None: ...   # worker_export.ExportGate
 
     def _measure_due(self) -> bool:
         """Never measured, or idle with data for longer than the back-off (see REMEASURE_AFTER_S); while a
@@ -103,7 +104,7 @@ class WindowWork(Intake, Reporting):
                 self.cost.observe(VERIFY_KEY, time.monotonic_ns() - t0)
         trainer.verifier.last, trainer.verifier.rounds = None, 0
         if self.candidate is not None and "result" not in self.candidate:
-            trainer.begin_verify(self.buffer.eval_batch())   # the candidate's round, which this one replaced
+            self._begin_candidate_round(self.buffer.eval_batch())   # the round this one replaced
         self.calibrated, self._due_since = True, None
         self.ready_ns = time.monotonic_ns()
         self.metrics.log("calibrated", length=length, unit_ns=self.gate.unit_ns(), start_ns=begin,
@@ -163,8 +164,10 @@ class WindowWork(Intake, Reporting):
                 result = tr.verify_chunk()
                 if result is not None:
                     self._acceptance(result.to_dict())
-                    if self.candidate is not None:
-                        self.candidate["result"] = result   # exported between windows (housekeeping)
+                    if self.candidate is not None and "result" not in self.candidate:
+                        # its own round (paired with LATEST), decided between windows (housekeeping); a
+                        # periodic round that completes before that does not replace it
+                        self.candidate["result"] = result
             t1 = time.monotonic_ns()
             self.cost.observe(key, t1 - t0)
             if name != "verify" and self.replicas is not None:

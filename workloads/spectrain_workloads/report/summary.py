@@ -4,7 +4,8 @@ Keys (the ones `make demo` / `make demo-rl` print are in render.HEADLINE):
 - ranks, steps, final_loss; step_time_s_with/without_drafter and target_slowdown_ratio (the latter
   when `spectrain run --baseline` ran the job with the drafter off too);
 - acceptance_length (final: the exported drafter's newest measurement), acceptance_length_peak;
-- artifact: where the deployable drafter is;
+- artifact: where the deployable drafter is; exports_rejected_by_cause: candidate exports the export
+  gate kept from LATEST, by cause (names.EXPORT_REJECT_CAUSES, summed over the drafters' summaries);
 - harvest.py: idle_s(_by_kind), harvested_s(_by_kind), harvested_fraction_of_idle,
   effective_harvest_s, effective_harvest_fraction, harvest_efficiency, overrun_ms_p99,
   harvested_s_by_rank, effective_s_by_rank, per_rank (rank -> idle/harvested by kind, effective,
@@ -20,6 +21,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from spectrain_api.names import EXPORT_REJECT_CAUSES
 from spectrain_workloads.report.data import RankData, data_dir, load
 from spectrain_workloads.report.harvest import acceptance, harvest
 from spectrain_workloads.report.rl import is_rl, rl_figures
@@ -47,6 +49,18 @@ def artifact(run_dir: Path, ranks: dict[int, RankData]) -> str | None:
     for latest in d.rglob("LATEST"):
         return str(latest.parent / latest.read_text().strip())
     return None
+
+
+def exports_rejected(ranks: dict[int, RankData]) -> dict[str, int]:
+    """The export gate's rejections by cause over every drafter's summary (the exporting rank's gate)."""
+    out = dict.fromkeys(EXPORT_REJECT_CAUSES, 0)
+    for rd in ranks.values():
+        by = rd.summary.get("exportsRejectedByCause")
+        for cause in out:
+            n = by.get(cause) if isinstance(by, dict) else None
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                out[cause] += n
+    return out
 
 
 def serving_layouts(art: str | None) -> list[str]:
@@ -84,6 +98,7 @@ def summarize(run_dir: Path, ranks: dict[int, RankData] | None = None) -> dict[s
         **acceptance(ranks),
         "artifact": (art := artifact(run_dir, ranks)),
         "serving_layouts": serving_layouts(art),
+        "exports_rejected_by_cause": exports_rejected(ranks),
         **harvest(ranks),
     }
     if is_rl(ranks):
@@ -91,4 +106,4 @@ def summarize(run_dir: Path, ranks: dict[int, RankData] | None = None) -> dict[s
     return out
 
 
-__all__ = ["artifact", "serving_layouts", "step_times", "summarize"]
+__all__ = ["artifact", "exports_rejected", "serving_layouts", "step_times", "summarize"]

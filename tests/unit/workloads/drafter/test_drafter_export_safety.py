@@ -2,7 +2,7 @@
 
 Versions are never reused (a high-water mark outlives pruned directories and lost checkpoints),
 LATEST only moves forward, non-finite weights are refused, config.json's sha256 is checked on load,
-the acceptance floor's verdicts; the kubelet's downward-API annotations file, Go-quoted values.
+the export gate's verdicts; the kubelet's downward-API annotations file, Go-quoted values.
 """
 
 from __future__ import annotations
@@ -114,18 +114,24 @@ def test_extra_files_of_a_version_are_checked_too(tmp_path: Path) -> None:
         ex.load_drafter(path)
 
 
-def test_acceptance_verdicts() -> None:
-    assert ex.acceptance_verdict(None, None, 0.9) is None          # first versions: finite check alone
-    assert ex.acceptance_verdict(1.7, None, 0.9) is None
-    assert ex.acceptance_verdict(1.8, 2.0, 0.9) is None            # exactly at the floor
-    assert "acceptance length 1.790 < 0.9 x 2.000" in (ex.acceptance_verdict(1.79, 2.0, 0.9) or "")
-    assert "no held-back samples" in (ex.acceptance_verdict(None, 2.0, 0.9) or "")
-    assert ex.acceptance_verdict(None, 2.0, 0.0) is None and ex.acceptance_verdict(1.0, 2.0, 0.0) is None
-    assert "not finite" in (ex.acceptance_verdict(float("nan"), 2.0, 0.9) or "")
-    # within NOISE_Z standard errors of the floor: noise, not a regression
-    assert ex.acceptance_verdict(1.6, 2.0, 0.9, stderr=0.1) is None                  # 1.6 + 0.2 >= 1.8
-    assert ex.acceptance_verdict(1.6, 2.0, 0.9, stderr=0.05, reference_stderr=0.09) is not None
-    assert ex.acceptance_verdict(1.6, 2.0, 0.9, stderr=0.08, reference_stderr=0.08) is None
+def test_gate_verdicts() -> None:
+    def cause(*args: float | None, latest_exists: bool = True) -> str | None:
+        v = ex.gate_verdict(*args, latest_exists=latest_exists)  # type: ignore[arg-type]
+        return None if v is None else v[0]
+
+    # the first versions (no LATEST, no floor): the finite check alone, measured or not
+    assert cause(None, None, 0.0, latest_exists=False) is None and cause(1.7, None, 0.0, latest_exists=False) is None
+    # paired with LATEST: no tolerance, ties pass
+    assert cause(2.0, 2.0, 0.0) is None and cause(2.1, 2.0, 0.0) is None
+    assert cause(1.99, 2.0, 0.0) == "below_latest"
+    assert "LATEST's on the same held-back samples" in ex.gate_verdict(1.99, 2.0, 0.0, latest_exists=True)[1]  # type: ignore[index]
+    # the absolute floor, with or without a LATEST
+    assert cause(2.4, None, 2.5, latest_exists=False) == "below_floor" and cause(2.4, 2.0, 2.5) == "below_floor"
+    assert cause(2.5, None, 2.5, latest_exists=False) is None
+    # not measured while a LATEST or a floor must be met; a LATEST the round did not measure
+    assert cause(None, None, 0.0) == "unmeasured" and cause(None, None, 2.0, latest_exists=False) == "unmeasured"
+    assert cause(3.0, None, 0.0) == "unmeasured"
+    assert cause(float("nan"), 2.0, 0.0) == "non_finite"
 
 
 def test_acceptance_stderr_from_per_depth_counts() -> None:

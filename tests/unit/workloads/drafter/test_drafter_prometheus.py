@@ -18,7 +18,8 @@ def _summary(**over: object) -> dict[str, object]:
     s: dict[str, object] = {
         "state": "Active", "usableSeconds": 12.5, "busySeconds": 9.0, "windowsSeen": 40, "windowsWorked": 30,
         "windowsTooShort": 6, "windowsVerifyOnly": 4, "samplesTrained": 512, "optimizerSteps": 64, "combinedWorkSeconds": 4.5,
-        "exportsRejected": 1, "exchangeFramesDropped": 3, "dataDropped": 0, "dataReceived": 300,
+        "exportsRejected": 3, "exportsRejectedByCause": {"below_latest": 2, "below_floor": 1, "non_finite": 0},
+        "exchangeFramesDropped": 3, "dataDropped": 0, "dataReceived": 300,
         "samplesFromPeers": 212, "harvestedSecondsByKind": {"Bubble": 6.0, "Communication": 0.5},
         "exchangeBytesSent": 1_000_000, "exchangeBytesReceived": 2_000_000,
         "exchangeRejectedByCause": {"mac": 7, "tokens_out_of_range": 2},
@@ -56,6 +57,9 @@ def test_the_endpoint_serves_every_figure_with_bounded_labels() -> None:
     assert got[("spectrain_drafter_samples_received_total", (r, ("source", "peers")))] == 212
     assert got[("spectrain_drafter_exchange_bytes_total", (("direction", "received"), r))] == 2_000_000
     assert got[("spectrain_drafter_exchange_rejected_total", (("cause", "mac"), r))] == 7
+    assert got[("spectrain_drafter_exports_rejected_total", (("cause", "below_latest"), r))] == 2
+    assert got[("spectrain_drafter_exports_rejected_total", (("cause", "below_floor"), r))] == 1
+    assert got[("spectrain_drafter_exports_rejected_total", (("cause", "non_finite"), r))] == 0
     assert got[("spectrain_drafter_export_work_seconds_total", (("member_rank", "0"), r))] == 2.5
     assert got[("spectrain_drafter_export_work_seconds_total", (("member_rank", "3"), r))] == 4.75
     assert got[("spectrain_drafter_acceptance_length", (r,))] == 3.25
