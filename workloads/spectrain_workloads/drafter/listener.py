@@ -4,11 +4,12 @@ Built to survive its peers: connections are admitted by drafter.admission (a bud
 connections per source address and in total, the least far closed first, a handshake deadline of
 one round trip per message, descriptors freed when they run out); after the handshake one session
 per rank (a new authenticated connection of a rank replaces its older one, counted `replaced`), a
-session quiet for `Limits.idle_s` closed (`sessions_idle`, not a refusal), a started frame finished within FRAME_STALL_S,
-a per-kind payload cap checked (with the header's MAC) before the payload is buffered, frames the
-receiver does not take read past without keeping (or hashing) them, and payload MACs of the kinds
-the receiver defers checked only when it uses the payload. What fails is counted by cause
-(`Stats.reject`) and ends at most its own connection; nothing a frame does leaves its reader thread.
+session quiet for `Limits.idle_s` closed (`sessions_idle`, not a refusal), a started frame
+finished within FRAME_STALL_S, a per-kind payload cap checked (with the header's MAC) before the
+payload is buffered, frames the receiver does not take read past without keeping (or hashing)
+them, and payload MACs of the kinds the receiver defers checked only when it uses the payload.
+What fails is counted by cause (`Stats.reject`) and ends at most its own connection; nothing a
+frame does leaves its reader thread.
 """
 
 from __future__ import annotations
