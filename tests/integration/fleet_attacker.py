@@ -4,7 +4,9 @@ its own (it competes for the CPU as a pod would, not for the test's interpreter)
     python -m tests.integration.fleet_attacker MODE N PORT [PORT ...]
 
 MODE hold: N connections to every port, opened from the job's start (before the drafters listen:
-refused connects are retried), never sending a byte, each reopened as soon as the drafter closes it.
+refused connects are retried), never sending a byte, each reopened as soon as the drafter closes it
+(at most HOLD_RATE a second: a held connection is back within a millisecond, and the attacker
+does not take a core of the machine both jobs share).
 MODE churn: N connects per second to every port, each closed at once.
 On SIGTERM it prints `{"connects": C}` (the connections it opened) and exits.
 """
@@ -20,6 +22,7 @@ import threading
 import time
 
 RETRY_S = 0.005          # a port not listening yet: the attacker keeps knocking
+HOLD_RATE = 1000         # reopened connections per second, at most
 
 
 def _open(port: int) -> socket.socket | None:
@@ -32,9 +35,13 @@ def _open(port: int) -> socket.socket | None:
 def hold(n: int, ports: list[int], stop: threading.Event, count: list[int]) -> None:
     sel = selectors.DefaultSelector()
     missing = [p for p in ports for _ in range(n)]
+    t0 = time.monotonic()
     while not stop.is_set():
         still = []
         for port in missing:
+            ahead = (count[0] - n * len(ports)) / HOLD_RATE - (time.monotonic() - t0)
+            if ahead > 0:
+                stop.wait(ahead)
             s = _open(port)
             if s is None:
                 still.append(port)
