@@ -16,7 +16,7 @@ BENCHES := $(sort $(basename $(notdir $(filter-out bench/__init__.py bench/commo
 BENCH_ALIASES := $(subst _,-,$(foreach b,$(BENCHES),$(if $(findstring _,$(b)),$(b))))   # bench-fleet-scale = bench-fleet_scale
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-unit test-integration test-e2e test-serving lint typecheck verify lock demo demo-rl demo-hf \
+.PHONY: help install test test-unit test-integration test-stress test-e2e test-serving lint typecheck verify lock demo demo-rl demo-hf \
         kube-binaries kube-binaries-legacy prometheus-binaries crds docs clean gpu-check gate-replay images $(BENCHES:%=bench-%) \
         $(BENCH_ALIASES:%=bench-%)
 
@@ -34,13 +34,16 @@ $(STAMP): pyproject.toml
 install: $(STAMP) ## create .venv with everything (CPU torch pinned)
 
 test: $(STAMP) kube-binaries prometheus-binaries ## unit + integration tests (real kube-apiserver, real Prometheus, real processes)
-	$(PY) -m pytest tests -m "not e2e" --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not e2e and not stress" --durations=30 $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## unit tests only (seconds)
 	$(PY) -m pytest tests -m unit $(PYTEST_ARGS)
 
 test-integration: $(STAMP) kube-binaries prometheus-binaries ## integration tier only
-	$(PY) -m pytest tests -m integration $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "integration and not stress" $(PYTEST_ARGS)
+
+test-stress: $(STAMP) ## long attack runs against a clean run side by side (the fleet's starvation; minutes)
+	$(PY) -m pytest tests -m stress $(PYTEST_ARGS)
 
 test-e2e: $(STAMP) ## e2e against the cluster in KUBECONFIG
 	$(PY) -m pytest tests -m e2e --e2e $(PYTEST_ARGS)
@@ -72,7 +75,7 @@ lint: $(STAMP) ## ruff
 
 typecheck: $(STAMP) ## mypy on the operator, the API package, the ring, the drafter fleet, the hooks API, the harvest engine, speculative decoding and the HF targets
 	$(VENV)/bin/mypy --follow-imports=silent operator/spectrain_operator workloads/spectrain_workloads/ring \
-	  operator/spectrain_api workloads/spectrain_workloads/{runtime,loop,topology,listen}.py workloads/spectrain_workloads/target/entry.py workloads/spectrain_workloads/rl/mode.py workloads/spectrain_workloads/drafter/{fleet,fleet_weights,links,replicas,fleet_records,listener,auth,checks,allreduce,ring_replicas,control,worker,worker_intake,worker_tasks,worker_export,export_latest,worker_reporting,eagle3,eagle3_export,eagle3_tables,eagle3_tasks,eagle3_assembly}.py
+	  operator/spectrain_api workloads/spectrain_workloads/{runtime,loop,topology,listen}.py workloads/spectrain_workloads/target/entry.py workloads/spectrain_workloads/rl/mode.py workloads/spectrain_workloads/drafter/{fleet,fleet_weights,links,replicas,fleet_records,listener,admission,auth,checks,allreduce,ring_replicas,control,worker,worker_intake,worker_tasks,worker_export,export_latest,worker_reporting,eagle3,eagle3_export,eagle3_tables,eagle3_tasks,eagle3_assembly}.py
 	$(VENV)/bin/mypy --follow-imports=silent workloads/spectrain_workloads/hooks workloads/spectrain_workloads/harvest \
 	  workloads/spectrain_workloads/hf workloads/spectrain_workloads/specdec workloads/spectrain_workloads/{generate,target_model}.py
 

@@ -280,10 +280,31 @@ def test_100_idle_connections_under_a_64_descriptor_limit(tmp_path: Path) -> Non
         try:
             v.wait_rejected("descriptors", 1)
             still_works(v)
-            assert v.rejected("connections") + v.rejected("descriptors") > 0
+            assert v.rejected("evicted") + v.rejected("descriptors") > 0
         finally:
             for s in idle:
                 s.close()
         still_works(v)
     finally:
+        v.close()
+
+
+# ------------------------------------------------------------ sessions
+def test_a_key_holder_parking_sessions_does_not_lock_out_the_real_rank(tmp_path: Path) -> None:
+    """Authenticated sessions parked (idle, as the real peer's rank) before the real peer connects:
+    one session per rank, the newest kept, so the real peer's replaces them; the parked ones are closed."""
+    v = Victim(tmp_path, 0)
+    parked: list[socket.socket] = []
+    try:
+        for _ in range(3 * WORLD + 2):
+            try:
+                parked.append(connect(v)[0])
+            except OSError:                       # refused: the listener holds no more
+                pass
+        still_works(v)                            # the real peer's first connection, after the parking
+        assert parked and all(closed(s) for s in parked)
+        assert v.rejected("replaced") >= len(parked)
+    finally:
+        for s in parked:
+            s.close()
         v.close()

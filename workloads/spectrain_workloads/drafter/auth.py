@@ -48,7 +48,6 @@ KEY_BYTES = 32
 NONCE_BYTES = 16
 TAG_BYTES = 32
 MAX_UID_BYTES = 256
-HANDSHAKE_TIMEOUT_S = 3.0        # a connection that has not authenticated by then is closed
 _HELLO = struct.Struct(">8sHIQH")                  # magic, version, rank, generation, UID length
 PREFIX = struct.Struct(">QBIQ")                    # seq, kind, header length, payload length
 KINDS = {"sample": 1, "contrib": 2, "combined": 3, "hello": 4, "part": 5}
@@ -128,9 +127,8 @@ def _hello(ident: Identity, rank: int, nonce: bytes) -> bytes:
     return _HELLO.pack(MAGIC, _version(ident), rank, ident.generation, len(uid)) + uid + nonce
 
 
-def _read_hello(sock: socket.socket, ident: Identity) -> tuple[bytes, int]:
-    """The peer's hello (raw bytes, its rank); AuthError on a foreign protocol, job or generation."""
-    fixed = _recv_exact(sock, _HELLO.size)
+def _hello_fixed(fixed: bytes, ident: Identity) -> tuple[int, int, int]:
+    """(rank, generation, UID length) of a hello's fixed part; AuthError on a foreign protocol."""
     magic, version, rank, generation, n_uid = _HELLO.unpack(fixed)
     if magic != MAGIC:
         raise AuthError("handshake", "not a drafter peer")
@@ -138,11 +136,23 @@ def _read_hello(sock: socket.socket, ident: Identity) -> tuple[bytes, int]:
         raise AuthError("version", f"protocol {version:#x}, this drafter speaks {_version(ident):#x}")
     if n_uid > MAX_UID_BYTES:
         raise AuthError("handshake", "job UID too long")
-    rest = _recv_exact(sock, n_uid + NONCE_BYTES)
+    return rank, generation, n_uid
+
+
+def _hello_rest(rest: bytes, n_uid: int, generation: int, ident: Identity) -> None:
+    """The hello's job UID and generation against this drafter's; AuthError on another job's."""
     if rest[:n_uid] != ident.job_uid.encode():
         raise AuthError("job", "another job's drafter")
     if generation != ident.generation:
         raise AuthError("generation", f"restart generation {generation}, this drafter's is {ident.generation}")
+
+
+def _read_hello(sock: socket.socket, ident: Identity) -> tuple[bytes, int]:
+    """The peer's hello (raw bytes, its rank); AuthError on a foreign protocol, job or generation."""
+    fixed = _recv_exact(sock, _HELLO.size)
+    rank, generation, n_uid = _hello_fixed(fixed, ident)
+    rest = _recv_exact(sock, n_uid + NONCE_BYTES)
+    _hello_rest(rest, n_uid, generation, ident)
     return fixed + rest, rank
 
 
@@ -205,19 +215,54 @@ def client_handshake(sock: socket.socket, ident: Identity, rank: int, peer_rank:
     return _session(ident, hello_c, hello_s, rank, peer_rank)
 
 
-def server_handshake(sock: socket.socket, ident: Identity, rank: int, world: int) -> Session:
-    """Authenticate a connecting drafter; its rank (what every frame of it is bound to) is checked
-    to be another rank of this job."""
-    hello_c, crank = _read_hello(sock, ident)
-    hello_s = _hello(ident, rank, os.urandom(NONCE_BYTES))
-    sock.sendall(hello_s + _mac(ident.key, b"S", hello_c, hello_s))
-    tag = _recv_exact(sock, TAG_BYTES) if ident.key is not None else b""
-    if not hmac.compare_digest(tag, _mac(ident.key, b"C", hello_c, hello_s)):
-        raise AuthError("handshake", "the connecting side does not hold the job's key")
-    if not 0 <= crank < world or crank == rank:
-        raise AuthError("rank", f"rank {crank} is not another rank of a world of {world}")
-    return _session(ident, hello_c, hello_s, crank, crank)
+class ServerHandshake:
+    """The listening side's handshake, fed the bytes as they arrive (drafter.admission reads them from
+    non-blocking sockets, no thread per connection). `want` is how many bytes the next message still
+    needs (read no more: what follows the handshake is the first frame); `feed` returns what to send
+    back (the listener's hello and tag, once the connecting side's hello is whole) and sets `session`
+    once the connecting side's tag verifies; AuthError when anything fails. A connecting drafter's
+    rank (what every frame of it is bound to) is checked to be another rank of this job."""
+
+    def __init__(self, ident: Identity, rank: int, world: int) -> None:
+        self.ident, self.rank, self.world = ident, rank, world
+        self.buf = bytearray()
+        self.received = 0                  # bytes so far: how far this connection got (admission's order)
+        self.hello_c = self.hello_s = b""
+        self.n_uid, self.generation, self.crank = -1, -1, -1
+        self.session: Session | None = None
+
+    @property
+    def want(self) -> int:
+        if not self.hello_s:
+            return (_HELLO.size if self.n_uid < 0 else _HELLO.size + self.n_uid + NONCE_BYTES) - len(self.buf)
+        return (TAG_BYTES if self.ident.key is not None else 0) - len(self.buf)
+
+    def feed(self, data: bytes) -> bytes:
+        self.buf += data
+        self.received += len(data)
+        if self.want > 0:
+            return b""
+        if not self.hello_s and self.n_uid < 0:
+            self.crank, self.generation, self.n_uid = _hello_fixed(bytes(self.buf), self.ident)
+            return b""
+        if not self.hello_s:
+            _hello_rest(bytes(self.buf[_HELLO.size:]), self.n_uid, self.generation, self.ident)
+            self.hello_c, self.buf = bytes(self.buf), bytearray()
+            self.hello_s = _hello(self.ident, self.rank, os.urandom(NONCE_BYTES))
+            reply = self.hello_s + _mac(self.ident.key, b"S", self.hello_c, self.hello_s)
+            if self.ident.key is None:
+                self._done()
+            return reply
+        self._done()
+        return b""
+
+    def _done(self) -> None:
+        if not hmac.compare_digest(bytes(self.buf), _mac(self.ident.key, b"C", self.hello_c, self.hello_s)):
+            raise AuthError("handshake", "the connecting side does not hold the job's key")
+        if not 0 <= self.crank < self.world or self.crank == self.rank:
+            raise AuthError("rank", f"rank {self.crank} is not another rank of a world of {self.world}")
+        self.session = _session(self.ident, self.hello_c, self.hello_s, self.crank, self.crank)
 
 
-__all__ = ["AuthError", "HANDSHAKE_TIMEOUT_S", "Identity", "KINDS", "KIND_NAMES", "PREFIX", "Session",
-           "client_handshake", "load_key", "server_handshake"]
+__all__ = ["AuthError", "Identity", "KINDS", "KIND_NAMES", "PREFIX", "ServerHandshake", "Session",
+           "client_handshake", "load_key"]

@@ -115,8 +115,9 @@ class Fleet(StarWeights):
         self.links: dict[int, Link] = {}
         self.links_lock = threading.Lock()              # links are made by the worker and by readers (hello answers)
         port = cfg.addresses[cfg.rank][1]
+        self.limits = cfg.limits
         self.server = Server([(h, port) for h in cfg.bind_hosts], self, self.stats, ident=self.ident,
-                             rank=cfg.rank, world=cfg.world, max_conns=cfg.max_conns)
+                             rank=cfg.rank, world=cfg.world, limits=self.limits)
 
     def use_features(self, layers: tuple[int, ...]) -> None:
         """An EAGLE-3 drafter (before `expect`): samples are [T, 4H]; parts of `layers` go to the
@@ -138,7 +139,8 @@ class Fleet(StarWeights):
         with self.links_lock:
             if rank not in self.links:
                 self.links[rank] = Link(self.cfg.addresses[rank], self.bucket, max_queue_bytes=self.cfg.max_queue_bytes,
-                                        stats=self.stats, ident=self.ident, rank=self.cfg.rank, peer_rank=rank)
+                                        stats=self.stats, ident=self.ident, rank=self.cfg.rank, peer_rank=rank,
+                                        handshake_s=self.limits.handshake_s)
             return self.links[rank]
 
     # ------------------------------------------------------------ receiving (links.Receiver)

@@ -14,6 +14,7 @@ from safetensors.torch import save as st_save
 from spectrain_api.errors import ConfigError
 from spectrain_api.names import ENV_DRAFTER_PEERS, ENV_DRAFTER_STORE
 from spectrain_workloads.drafter import checks
+from spectrain_workloads.drafter.admission import RTT_BOUND_S, Limits
 
 # engine AllReduce: the drafters' TCPStore as host:port (tests, local runs); default `store_address`
 
@@ -98,7 +99,7 @@ class FleetConfig:
     inbox_bytes: int = 64 << 20
     sample_ranks: list[int] = field(default_factory=list)      # where this rank's samples go
     sample_sources: list[int] = field(default_factory=list)    # whose samples this rank takes
-    max_conns: int = 0                                           # default 2 x world
+    rtt_bound_s: float = RTT_BOUND_S  # declared round trip (drafter.admission: the handshake's deadlines)
     target: checks.TargetSpec | None = None                      # default: read from run_dir at `expect`
     run_dir: str | None = None
     mac: bool = True                  # False: bench-fleet's measurement of the MACs' cost only
@@ -117,7 +118,14 @@ class FleetConfig:
             self.sample_ranks = [base + s for s in range(P - 1)]
         if not self.sample_sources and self.rank % P != P - 1:
             self.sample_sources = [self.rank - self.rank % P + P - 1]
-        self.max_conns = self.max_conns or max(4, 2 * self.world)
+        if not self.rtt_bound_s > 0:
+            raise ConfigError(f"FleetConfig.rtt_bound_s must be > 0 seconds, got {self.rtt_bound_s}")
+
+    @property
+    def limits(self) -> Limits:
+        """What a listener of this job admits (drafter.admission's formulas)."""
+        return Limits.for_job(world=self.world, ranks_per_host=Limits.ranks_per_host(self.addresses),
+                              combine_every_s=self.combine_every_s, rtt_bound_s=self.rtt_bound_s)
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:

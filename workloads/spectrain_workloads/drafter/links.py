@@ -8,7 +8,8 @@ link writes the frames out, paced by one token bucket per process (the
 `spec.drafter.exchange.bandwidthMBps` cap over all links). Droppable frames (samples) are dropped
 when a link's queue holds `max_queue_bytes` already, so a slow or dead receiver costs bounded
 memory and never stalls training; a frame kind marked `latest_only` (weights) replaces the one
-still queued. A link whose peer is gone reconnects with backoff and drops what it could not deliver.
+still queued. A link whose peer is gone reconnects with backoff and drops what it could not deliver;
+one the listener closed meanwhile (a quiet link, drafter.listener) reconnects before it writes.
 The receiving side is drafter.listener. What fails is counted by cause in `Stats`
 (`rejected:<cause>`).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import select
 import socket
 import threading
 import time
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from spectrain_workloads.drafter.auth import HANDSHAKE_TIMEOUT_S, Identity, Session, client_handshake
+from spectrain_workloads.drafter.auth import Identity, Session, client_handshake
 
 CHUNK = 1 << 20                  # payloads past this are written (and read) without a copy of them
 
@@ -96,12 +98,23 @@ class TokenBucket:
         return False
 
 
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """The listener never writes after the handshake: a readable socket is its close (or reset)."""
+    try:
+        if not select.select([sock], [], [], 0)[0]:
+            return False
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
 class Link:
     """Frames to the drafter of `peer_rank`, written by a thread; `send` never blocks."""
 
     def __init__(self, address: tuple[str, int], bucket: TokenBucket, *, max_queue_bytes: int, stats: Stats,
-                 ident: Identity, rank: int, peer_rank: int) -> None:
+                 ident: Identity, rank: int, peer_rank: int, handshake_s: float) -> None:
         self.address, self.ident, self.rank, self.peer_rank = address, ident, rank, peer_rank
+        self.handshake_s = handshake_s       # admission.Limits.handshake_s: the listener's deadline
         self.bucket, self.max_queue_bytes, self.stats = bucket, max_queue_bytes, stats
         self.queue: collections.deque[Frame] = collections.deque()
         self.queued_bytes = 0
@@ -140,7 +153,7 @@ class Link:
         while not self.stop.is_set():
             s = None
             try:
-                s = socket.create_connection(self.address, timeout=HANDSHAKE_TIMEOUT_S)
+                s = socket.create_connection(self.address, timeout=self.handshake_s)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 session = client_handshake(s, self.ident, self.rank, self.peer_rank)
                 s.settimeout(10.0)      # a receiver that stops reading for this long is dropped
@@ -182,6 +195,9 @@ class Link:
                 size = self._size(frame)
                 self.queued_bytes -= size
                 self.writing = True
+            if self.sock is not None and _closed_by_peer(self.sock):
+                self.sock.close()
+                self.sock = self.session = None
             if self.sock is None:
                 got = self._connect()
                 if got is None:

@@ -1,40 +1,32 @@
 """The listening side of the drafters' links: authenticated frames in, to one receiver.
 
-Built to survive its peers: at most `max_conns` connections (more are closed at once), a
-handshake (drafter.auth) within HANDSHAKE_TIMEOUT_S, a started frame finished within
-FRAME_STALL_S, a per-kind payload cap checked (with the header's MAC) before the payload is
-buffered, frames the receiver does not take read past without keeping (or hashing) them, payload
-MACs of the kinds the receiver defers checked only when it uses the payload, and an accept loop
-that outlives running out of file descriptors (it frees one held by a connection that never
-authenticated, else backs off). What fails is counted by cause (`Stats.reject`) and ends at most
-its own connection; nothing a frame does leaves its reader thread.
+Built to survive its peers: connections are admitted by drafter.admission (a budget of pending
+connections per source address and in total, the least far closed first, a handshake deadline of
+one round trip per message, descriptors freed when they run out); after the handshake one session
+per rank (a new authenticated connection of a rank replaces its older one, counted `replaced`), a
+session quiet for `Limits.idle_s` closed (`sessions_idle`, not a refusal), a started frame
+finished within FRAME_STALL_S, a per-kind payload cap checked (with the header's MAC) before the
+payload is buffered, frames the receiver does not take read past without keeping (or hashing)
+them, and payload MACs of the kinds the receiver defers checked only when it uses the payload.
+What fails is counted by cause (`Stats.reject`) and ends at most its own connection; nothing a
+frame does leaves its reader thread.
 """
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import socket
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from spectrain_workloads.drafter.auth import (
-    HANDSHAKE_TIMEOUT_S,
-    KIND_NAMES,
-    PREFIX,
-    AuthError,
-    Identity,
-    Session,
-    server_handshake,
-)
+from spectrain_workloads.drafter.admission import Admission, Limits
+from spectrain_workloads.drafter.auth import KIND_NAMES, PREFIX, AuthError, Identity, Session
 from spectrain_workloads.drafter.links import CHUNK, Frame, Rejected, Stats
 
 MAX_HEADER_BYTES = 1 << 20       # JSON headers: a combined version's `included` holds every rank
 FRAME_STALL_S = 5.0              # a frame started but not finished within this is dropped, its connection closed
-_FD_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
 class Receiver(Protocol):
@@ -67,8 +59,7 @@ def _recv(sock: socket.socket, n: int) -> bytes:
 @dataclass
 class _Conn:
     sock: socket.socket
-    opened: float
-    session: Session | None = None
+    session: Session
 
 
 class Server:
@@ -76,77 +67,41 @@ class Server:
     frame goes to `receiver`."""
 
     def __init__(self, binds: list[tuple[str, int]], receiver: Receiver, stats: Stats, *, ident: Identity,
-                 rank: int, world: int, max_conns: int) -> None:
-        self.receiver, self.stats, self.ident = receiver, stats, ident
-        self.rank, self.world, self.max_conns = rank, world, max_conns
+                 rank: int, world: int, limits: Limits) -> None:
+        self.receiver, self.stats, self.limits = receiver, stats, limits
         self.socks = [socket.create_server(b, family=socket.AF_INET6 if ":" in b[0] else socket.AF_INET)
                       for b in binds]
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.conns: dict[int, _Conn] = {}
-        self.threads = [threading.Thread(target=self._accept, args=(s,), name="drafter-server", daemon=True)
-                        for s in self.socks]
-        for s, t in zip(self.socks, self.threads, strict=True):
-            s.settimeout(0.5)
-            t.start()
+        self.sessions: dict[int, _Conn] = {}              # by the peer's rank: one each
+        self.admission = Admission(self.socks, ident=ident, rank=rank, world=world, limits=limits, stats=stats,
+                                   on_session=self._session)
 
     @property
     def port(self) -> int:
         return int(self.socks[0].getsockname()[1])
 
-    def _accept(self, lsock: socket.socket) -> None:
-        backoff = 0.01
-        while not self.stop.is_set():
-            try:
-                conn, _ = lsock.accept()
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                if self.stop.is_set() or lsock.fileno() < 0:
-                    return
-                if exc.errno in _FD_ERRORS:
-                    # out of descriptors: free one held by a connection that never authenticated,
-                    # else wait for one to end; either way keep accepting
-                    self.stats.reject("descriptors")
-                    if not self._evict_pending():
-                        self.stop.wait(backoff)
-                        backoff = min(backoff * 2, 1.0)
-                continue            # ECONNABORTED and the like: that connection only
-            backoff = 0.01
-            with self.lock:
-                full = len(self.conns) >= self.max_conns
-                if not full:
-                    self.conns[conn.fileno()] = _Conn(conn, time.monotonic())
-            if full:
-                self.stats.reject("connections")
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="drafter-reader", daemon=True).start()
-
-    def _evict_pending(self) -> bool:
+    def _session(self, conn: socket.socket, session: Session) -> None:
+        """A peer authenticated: its rank's older session (a restarted peer, or one parked by whoever
+        holds the key) is closed, and a reader takes this one."""
+        entry = _Conn(conn, session)
         with self.lock:
-            pending = [c for c in self.conns.values() if c.session is None]
-            oldest = min(pending, key=lambda c: c.opened, default=None)
-        if oldest is None:
-            return False
-        try:
-            oldest.sock.shutdown(socket.SHUT_RDWR)      # its reader closes it (and frees the descriptor)
-        except OSError:
-            pass
-        return True
+            old = self.sessions.get(session.peer_rank)
+            self.sessions[session.peer_rank] = entry
+        if old is not None:
+            self.stats.reject("replaced")
+            try:
+                old.sock.shutdown(socket.SHUT_RDWR)      # its reader closes it
+            except OSError:
+                pass
+        self.stats.add(sessions=1)
+        threading.Thread(target=self._serve, args=(entry,), name="drafter-reader", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        fd = conn.fileno()
+    def _serve(self, entry: _Conn) -> None:
+        conn, session = entry.sock, entry.session
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            session = server_handshake(conn, self.ident, self.rank, self.world)
-            with self.lock:
-                self.conns[fd].session = session
-            self.stats.add(sessions=1)
             self._frames(conn, session)
-        except AuthError as exc:
-            self.stats.reject(exc.cause)
-        except Rejected as exc:
+        except (AuthError, Rejected) as exc:
             self.stats.reject(exc.cause)
         except TimeoutError:
             self.stats.reject("stalled")
@@ -156,14 +111,19 @@ class Server:
             self.stats.reject("malformed")
         finally:
             with self.lock:
-                self.conns.pop(fd, None)
+                if self.sessions.get(session.peer_rank) is entry:
+                    del self.sessions[session.peer_rank]
             conn.close()
 
     def _frames(self, conn: socket.socket, session: Session) -> None:
         prefix = bytearray(PREFIX.size)
         while not self.stop.is_set():
-            conn.settimeout(None)                      # between frames a link may be quiet for long
-            if conn.recv_into(prefix, 1) == 0:
+            conn.settimeout(self.limits.idle_s)        # between frames: a few rounds at most
+            try:
+                if conn.recv_into(prefix, 1) == 0:
+                    return
+            except TimeoutError:               # not a refusal: its link reconnects when it has a frame again
+                self.stats.add(sessions_idle=1)
                 return
             conn.settimeout(FRAME_STALL_S)             # inside one, a stall is a broken or hostile peer
             if not _recv_into(conn, memoryview(prefix)[1:]):
@@ -208,14 +168,13 @@ class Server:
 
     def close(self) -> None:
         self.stop.set()
+        self.admission.close()
         for s in self.socks:
             s.close()
         with self.lock:
-            conns = list(self.conns.values())
+            conns = list(self.sessions.values())
         for c in conns:
             try:
                 c.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for t in self.threads:
-            t.join(timeout=2.0)

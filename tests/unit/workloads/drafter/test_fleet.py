@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from spectrain_api.errors import ConfigError
+from spectrain_workloads.drafter.admission import Limits
 from spectrain_workloads.drafter.auth import Identity, Session
 from spectrain_workloads.drafter.checks import TargetSpec
 from spectrain_workloads.drafter.fleet import Fleet
@@ -62,10 +63,11 @@ def test_bandwidth_cap_holds_and_a_full_queue_drops() -> None:
     recv, stats, ident = Collect(), Stats(), Identity(KEY, "job", 0)
     got = recv.got
     port = free_ports(1)[0]
-    server = Server([("127.0.0.1", port)], recv, stats, ident=ident, rank=1, world=2, max_conns=4)
+    server = Server([("127.0.0.1", port)], recv, stats, ident=ident, rank=1, world=2,
+                    limits=Limits.for_job(world=2, ranks_per_host=2, combine_every_s=10.0))
     rate = 2e6                                    # 2 MB/s, bursts of 0.25 s
     link = Link(("127.0.0.1", port), TokenBucket(rate, rate * 0.25), max_queue_bytes=3 << 20, stats=stats,
-                ident=ident, rank=0, peer_rank=1)
+                ident=ident, rank=0, peer_rank=1, handshake_s=1.0)
     payload = b"x" * 400_000
     t0 = time.monotonic()
     sent = sum(link.send(Frame("sample", {}, payload)) for _ in range(20))
