@@ -15,8 +15,15 @@ from spectrain_workloads.drafter.admission import IDLE_ROUNDS, RTT_BOUND_S, Limi
 from spectrain_workloads.drafter.fleet_records import FleetConfig
 from spectrain_workloads.drafter.links import Frame, Link, Stats, TokenBucket
 from spectrain_workloads.drafter.listener import Server
-from tests.launch import free_ports
-from tests.unit.workloads.drafter.test_fleet_auth import IDENT, Collect, _closed, _connect, _frame, _rejected
+from tests.unit.workloads.drafter.test_fleet_auth import (
+    IDENT,
+    Collect,
+    _closed,
+    _connect,
+    _frame,
+    _rejected,
+    serving,
+)
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.unit
@@ -27,10 +34,7 @@ LIMITS = Limits.for_job(world=3, ranks_per_host=3, combine_every_s=COMBINE_S)   
 
 @pytest.fixture
 def server() -> Iterator[tuple[Server, Collect]]:
-    recv = Collect()
-    s = Server([("127.0.0.1", free_ports(1)[0])], recv, Stats(), ident=IDENT, rank=1, world=3, limits=LIMITS)
-    yield s, recv
-    s.close()
+    yield from serving(LIMITS)
 
 
 def test_limits_follow_the_jobs_size() -> None:

@@ -53,12 +53,17 @@ class Collect:
         return False
 
 
-@pytest.fixture
-def server() -> Iterator[tuple[Server, Collect]]:
+def serving(limits: Limits) -> Iterator[tuple[Server, Collect]]:
+    """A listener of rank 1 of 3 on a free loopback port, closed afterwards (the fixtures' body)."""
     recv = Collect()
-    s = Server([("127.0.0.1", free_ports(1)[0])], recv, Stats(), ident=IDENT, rank=1, world=3, limits=LIMITS)
+    s = Server([("127.0.0.1", free_ports(1)[0])], recv, Stats(), ident=IDENT, rank=1, world=3, limits=limits)
     yield s, recv
     s.close()
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[Server, Collect]]:
+    yield from serving(LIMITS)
 
 
 def _connect(server: Server, ident: Identity = IDENT, rank: int = 0) -> tuple[socket.socket, Session]:
