@@ -114,7 +114,9 @@ def test_hf_tiny_trains_and_spectrain_generate_loads_the_export_from_the_volume(
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
-    assert out["completions"][0]["token_ids"] and out["acceptance_length"] >= 1.0, out
+    # the drafter loaded with the target it was trained on and decoded; whether speculation pays here
+    # is the adaptive controller's choice (it may decode plainly: acceptance_length 0, k = 0 throughout)
+    assert out["completions"][0]["token_ids"] and sum(out["k_histogram"].values()) > 0, out
 
 
 def test_demo_rl_trains_its_drafter_in_the_rollout_tail(stack: Stack, jobs: dict) -> None:
