@@ -4,8 +4,8 @@ Weights (periodic model averaging with local progress kept, as in DiLoCo with an
 rate of 1): every `combine_every_s` each drafter sends its trainable parameters, tagged with a
 sequence number and the window work since it started, to the coordinator (the exporting rank). The
 coordinator averages its own parameters with the latest contribution of every rank heard from
-since the last round, weighted by the work no earlier version holds, into combined version v + 1,
-exports it, and sends it to every rank. A drafter that receives version v keeps what it learnt
+since the last round, weighted by the work no earlier version holds (each rank's weight and update
+bounded by drafter.robust_combine), into combined version v + 1, exports it, and sends it to every rank. A drafter that receives version v keeps what it learnt
 after its contribution left:
     params <- combined_v + (params_now - params_at_send)
 (or - params_at_last_combined when its contribution was not in the round). A drafter that starts
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from spectrain_api.names import STAR
-from spectrain_workloads.drafter import checks
+from spectrain_workloads.drafter import checks, robust_combine
 from spectrain_workloads.drafter.auth import Session
 from spectrain_workloads.drafter.fleet_records import (
     Combined,
@@ -126,7 +126,7 @@ class StarWeights:
                 version: int, own_samples: int = 0) -> Combined | None:
         """Coordinator: average its own parameters with every contribution of this round into
         `version`, weighted by the window work each holds (a rank that could not train does not
-        dilute the others' progress), and send it to every rank. None when no other rank
+        dilute the others' progress; outliers and weights bounded by drafter.robust_combine), and send it to every rank. None when no other rank
         contributed or nobody worked."""
         with self.lock:
             round_, self.contributions = self.contributions, {}
@@ -144,10 +144,13 @@ class StarWeights:
             same = prev is not None and prev.incarnation == c.incarnation
             self.credited[r] = Credit(c.incarnation, (prev.work_s if same and prev else 0.0) + new[r][0],
                                        (prev.samples if same and prev else 0) + new[r][1], c.received_at)
-        weights = [own_work_s / total, *(work[r] / total for r in round_)]
-        parts = [own, *(c.params for c in round_.values())]
-        params = {n: torch.stack([w * p[n].to(own[n].device, torch.float32) for w, p in zip(weights, parts, strict=True)])
-                  .sum(0).to(own[n].dtype) for n in own}
+        me = self.cfg.rank
+        credited = {me: own_work_s, **work}
+        parts, clipped = robust_combine.clip_outliers({me: own, **{r: c.params for r, c in round_.items()}},
+                                                      credited, trusted=me)
+        weights, capped = robust_combine.cap_weights(credited, trusted=me)
+        self.stats.add(combine_outlier_clipped=len(clipped), combine_weight_capped=len(capped))
+        params = robust_combine.weighted_average(parts, weights, own)
         included = {self.cfg.rank: own_seq, **{r: c.seq for r, c in round_.items()}}
         combined = Combined(version, params, included, total, {self.cfg.rank: own_work_s, **work},
                             {self.cfg.rank: own_samples, **{r: n for r, (_, n) in new.items()}})
@@ -162,10 +165,12 @@ class StarWeights:
         same = prev is not None and prev.incarnation == c.incarnation
         work = c.work_total_s - (prev.work_s if same and prev else 0.0)
         samples = c.samples_total - (prev.samples if same and prev else 0)
-        since = prev.at if same and prev else c.session_started
+        # the rank's previous credited contribution, whichever process sent it: a fresh incarnation
+        # per frame restarts the totals, not the clock
+        since = prev.at if prev is not None else c.session_started
         limit = checks.credit_limit_s(c.received_at, since, self.cfg.combine_every_s + WORK_SLACK_S)
         if work > limit:
-            self.stats.add(work_clamped=1)
+            self.stats.add(combine_work_capped=1)
             samples, work = int(samples * limit / work), limit
         return max(work, 0.0), max(samples, 0)
 

@@ -73,6 +73,9 @@ def _series(summary: Mapping[str, Any]) -> dict[tuple[str, tuple[tuple[str, str]
     for cause, v in (summary.get("exchangeRejectedByCause") or {}).items():
         if (n := _number(v)) is not None:
             out[("exchange_rejected", (("cause", str(cause)),))] = n
+    for cause, v in (summary.get("combineAdjustedByCause") or {}).items():
+        if (n := _number(v)) is not None:
+            out[("combine_adjusted", (("cause", str(cause)),))] = n
     for member, v in (summary.get("exportWorkSecondsByRank") or {}).items():   # the coordinator's
         if (n := _number(v)) is not None:
             out[("export_work_seconds", (("member_rank", str(member)),))] = n
@@ -88,10 +91,14 @@ _HELP = {**{n: h for n, (_, h) in _COUNTERS.items()},
                              "non_finite; unmeasured; version_reused). Every cause is present from the start.",
          "exchange_rejected": "Items from peers dropped by a check (MAC, shape, vocabulary, finiteness, "
                               "norm, claimed work, version), by cause. Above 0: a broken or hostile peer.",
+         "combine_adjusted": "Contributions the coordinator bounded before averaging, by cause (work_capped: "
+                             "claimed work above wall time since the rank's last credit; outlier_clipped: update "
+                             "far from the round's median; weight_capped: weight above 2x the others' median).",
          "export_work_seconds": "The coordinator's count of each member rank's window work in the versions it "
                                 "exported, the last round (combined after the members stopped) included."}
 _LABELS = {"harvested_seconds": ["kind"], "samples_received": ["source"], "exchange_bytes": ["direction"],
-           "exchange_rejected": ["cause"], "exports_rejected": ["cause"], "export_work_seconds": ["member_rank"]}
+           "exchange_rejected": ["cause"], "exports_rejected": ["cause"], "combine_adjusted": ["cause"],
+           "export_work_seconds": ["member_rank"]}
 
 
 class DrafterCollector:

@@ -21,6 +21,7 @@ import torch
 
 from spectrain_workloads.drafter.fleet import Fleet
 from spectrain_workloads.drafter.fleet_records import Combined
+from spectrain_workloads.drafter.robust_combine import COMBINE_ADJUSTMENTS
 
 FINAL_ROUND_S = 3.0              # at shutdown: how long the last round of combining may take
 
@@ -168,7 +169,8 @@ class Replicas:
                 "exchangeBytesSent": st.get("sent_bytes", 0), "exchangeBytesReceived": st.get("received_bytes", 0),
                 "exchangeFramesDropped": st.get("dropped", 0) + st.get("inbox_dropped", 0),
                 "exchangeRejected": sum(rejected.values()), "exchangeRejectedByCause": rejected,
-                "weightFramesSent": st.get("weight_frames_sent", 0)}
+                "weightFramesSent": st.get("weight_frames_sent", 0),
+                "combineAdjustedByCause": {c: st.get(f"combine_{c}", 0) for c in COMBINE_ADJUSTMENTS}}
 
 
 def make_replicas(fleet: Fleet, rank: int, log: Callable[..., None]) -> Any:

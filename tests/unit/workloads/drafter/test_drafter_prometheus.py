@@ -24,6 +24,7 @@ def _summary(**over: object) -> dict[str, object]:
         "exchangeBytesSent": 1_000_000, "exchangeBytesReceived": 2_000_000,
         "exchangeRejectedByCause": {"mac": 7, "tokens_out_of_range": 2},
         "exportWorkSecondsByRank": {"0": 2.5, "3": 4.75},
+        "combineAdjustedByCause": {"work_capped": 4, "outlier_clipped": 1, "weight_capped": 0},
         "acceptanceLength": 3.25, "exportedVersion": 5, "combinedVersion": 9, "loss": 1.5,
         "overrunMsP50": 0.4, "overrunMsP99": 2.0, "overrunMsMax": 3.0}
     s.update(over)
@@ -62,6 +63,8 @@ def test_the_endpoint_serves_every_figure_with_bounded_labels() -> None:
     assert got[("spectrain_drafter_exports_rejected_total", (("cause", "non_finite"), r))] == 0
     assert got[("spectrain_drafter_export_work_seconds_total", (("member_rank", "0"), r))] == 2.5
     assert got[("spectrain_drafter_export_work_seconds_total", (("member_rank", "3"), r))] == 4.75
+    assert got[("spectrain_drafter_combine_adjusted_total", (("cause", "work_capped"), r))] == 4
+    assert got[("spectrain_drafter_combine_adjusted_total", (("cause", "weight_capped"), r))] == 0
     assert got[("spectrain_drafter_acceptance_length", (r,))] == 3.25
     assert got[("spectrain_drafter_exported_version", (r,))] == 5
     assert got[("spectrain_drafter_overrun_seconds", (("quantile", "0.99"), r))] == pytest.approx(0.002)
