@@ -649,6 +649,21 @@ status() {
   if is_up; then kc get nodes -o wide; echo "up"; else echo "down (or not healthy)"; return 1; fi
 }
 
+# The image names a docker-archive carries (manifest.json RepoTags), as containerd names them
+# (docker.io/ and library/ added to short names).
+archive_names() {
+  tar -xOf "$1" manifest.json 2>/dev/null | python3 -c '
+import json, sys
+for m in json.load(sys.stdin):
+    for t in m.get("RepoTags") or []:
+        first = t.split("/")[0]
+        if "/" not in t:
+            t = "docker.io/library/" + t
+        elif "." not in first and ":" not in first and first != "localhost":
+            t = "docker.io/" + t
+        print(t)' || true
+}
+
 load_image() {
   local archive=$1 n t0
   [[ -f "$archive" ]] || die "no such archive: $archive"
@@ -656,15 +671,22 @@ load_image() {
   is_up || die "the cluster is not up: run $0 up"
   t0=$(now_ms)
   # The node image stores outlive `down`: an archive imported before (same path, size and mtime:
-  # the image scripts rewrite an archive only when they rebuild it) is not read again.
-  local key stamp pids=() rc=0 todo=()
+  # the image scripts rewrite an archive only when they rebuild it) is not read again, as long as
+  # the node still has its images (a kubelet under disk pressure garbage-collects unused images).
+  # Layers are unpacked, then dropped from the content store: a node holds an image once.
+  local key stamp pids=() rc=0 todo=() names have name
   key="$(readlink -f "$archive") $(stat -c '%s %Y' "$archive")"
+  names=$(archive_names "$archive")
   for n in "${NODES[@]}"; do
     stamp="$IMAGE_STORE/n$n/imported.$(basename "$archive").stamp"
+    have=$(ctr_in "$n" -n k8s.io images ls -q 2>/dev/null || true)
+    for name in $names; do
+      grep -qxF "$name" <<<"$have" || { rm -f "$stamp"; break; }
+    done
     [[ "$(cat "$stamp" 2>/dev/null)" == "$key" ]] || todo+=("$n")
   done
   for n in "${todo[@]}"; do  # the nodes that need it, at once
-    ( ctr_in "$n" -n k8s.io images import "$(readlink -f "$archive")" >&2 \
+    ( ctr_in "$n" -n k8s.io images import --local --discard-unpacked-layers "$(readlink -f "$archive")" >&2 \
         && echo "$key" > "$IMAGE_STORE/n$n/imported.$(basename "$archive").stamp" ) &
     pids+=($!)
   done
