@@ -115,6 +115,9 @@ ENV_DRAFTER_STORE = "SPECTRAIN_DRAFTER_STORE"
 # the drafter container; `spectrain run` writes one per run), the job identity every handshake and
 # frame MAC binds, and the pod's own addresses the drafter binds to (dual-stack: comma-separated).
 ENV_FLEET_KEY_FILE = "SPECTRAIN_FLEET_KEY_FILE"
+# Per-pod identities (spectrain_api.fleet_identity): the pod's own private key, every pod's public key.
+ENV_FLEET_IDENTITY_FILE = "SPECTRAIN_FLEET_IDENTITY_FILE"
+ENV_FLEET_PEERS_FILE = "SPECTRAIN_FLEET_PEERS_FILE"
 ENV_JOB_UID = "SPECTRAIN_JOB_UID"
 ENV_RESTART_GENERATION = "SPECTRAIN_RESTART_GENERATION"
 ENV_POD_IPS = "SPECTRAIN_POD_IPS"
