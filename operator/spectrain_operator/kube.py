@@ -300,12 +300,15 @@ class Kube:
             raise OwnerConflict(obj, have)
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str, *,
-               propagation: str = "Background") -> None:
-        self.request("DELETE", path_for(api_version, kind, namespace, name),
-                     body={"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation})
+               propagation: str = "Background", grace_seconds: int | None = None) -> None:
+        body: Obj = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation}
+        if grace_seconds is not None:
+            body["gracePeriodSeconds"] = grace_seconds
+        self.request("DELETE", path_for(api_version, kind, namespace, name), body=body)
 
-    def delete_pod(self, namespace: str, name: str) -> None:
-        self.delete(_CORE, "Pod", namespace, name)
+    def delete_pod(self, namespace: str, name: str, *, grace_seconds: int | None = None) -> None:
+        """Delete a pod (grace_seconds 0: at once, without waiting for its kubelet's confirmation)."""
+        self.delete(_CORE, "Pod", namespace, name, grace_seconds=grace_seconds)
 
     def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
         """Merge-patch the pod's annotations (a pod already gone is fine: 404 is None)."""

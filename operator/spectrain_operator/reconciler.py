@@ -384,6 +384,8 @@ class Reconciler:
         ns, name = meta["namespace"], meta["name"]
         for pod_name in plan.delete_pods:
             self.kube.delete_pod(ns, pod_name)
+        for pod_name in plan.force_delete_pods:
+            self.kube.delete_pod(ns, pod_name, grace_seconds=0)
         old: Obj = job["status"] if isinstance(job.get("status"), dict) else {}
         self._write_status(job, plan.status, old, plan.events, pods)
         metrics.set_phase(ns, name, plan.status.get("phase", "Pending"))

@@ -22,7 +22,8 @@ concern per module; the first that applies, in this order, settles the phase (AP
    (drafterPeerFailures);
 7. Succeeded when every target container exited 0 (lifecycle);
 8. pods deleted or evicted by someone else: an immediate restart, not counted against
-   maxRestarts (restart);
+   maxRestarts (restart); whatever the phase, a deleted pod whose kubelet never confirmed it (a
+   lost node) is force-deleted once well past its grace period (restart.force_overdue);
 9. otherwise missing pods are created and the phase follows the pods: Pending, Starting, Running
    (progress).
 
@@ -59,6 +60,7 @@ def decide(job: Obj, pods: list[Obj], now: datetime, spec_errors: list[str] | No
     # drafter crashes: peer-frame exits counted apart; the rest are the drafter's own failures
     own_failures = drafter.count_crashes(ctx) if ctx.pods.current and ctx.drafter_enabled else {}
     outcome = _outcome(ctx, spec_errors, own_failures)
+    restart.force_overdue(ctx)
     drafter.carry_disabled(ctx)
     progress.mark_queued(ctx, outcome.phase)
     progress.summarize(ctx)

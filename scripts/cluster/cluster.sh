@@ -8,6 +8,9 @@
 #   scripts/cluster/cluster.sh env                print `export KUBECONFIG=...` (host kubectl/python)
 #   scripts/cluster/cluster.sh load-image ARCHIVE import a docker/OCI archive into both nodes
 #   scripts/cluster/cluster.sh kill-container NODE ID  SIGKILL a container (a crash, for fault tests)
+#   scripts/cluster/cluster.sh stop-node NODE     SIGKILL a node's kubelet, containerd and every
+#                                                 container at once (a node lost, for fault tests)
+#   scripts/cluster/cluster.sh start-node NODE    start a stopped node again, wait until Ready
 #
 # Layout (each member in its own network namespace, its own PID + private mount namespace with
 # scripts/cluster/supervise.sh as PID 1):
@@ -41,6 +44,11 @@ KUBE_SVC_IP=10.215.0.1
 DNS_IP=10.215.0.10
 DOMAIN=cluster.local
 NODES=(1 2)
+# A node whose kubelet stops renewing its Lease is NotReady (and tainted unreachable) after
+# NODE_GRACE_S; the kubelet renews every quarter of NODE_LEASE_S. Kubernetes' defaults are 50 s and
+# 40 s: shorter here so the node-loss test does not wait a minute for the taint.
+NODE_GRACE_S=30
+NODE_LEASE_S=20
 UP_TIMEOUT=${UP_TIMEOUT:-120}
 # Each node's containerd root (its images) outlives `down`, so loaded images (GBs) need neither a
 # re-import at the next `up` nor a slow delete at `down`; a node restarts on it like after a reboot
@@ -236,7 +244,8 @@ EOF
 #!/bin/sh
 exec "$KBIN/kube-controller-manager" --kubeconfig=$d/controller-manager.kubeconfig \\
   --use-service-account-credentials=true --service-account-private-key-file=$STATE/pki/sa.key \\
-  --root-ca-file=$STATE/pki/ca.crt --leader-elect=false --secure-port=0 --v=1
+  --root-ca-file=$STATE/pki/ca.crt --leader-elect=false --secure-port=0 \\
+  --node-monitor-grace-period=${NODE_GRACE_S}s --v=1
 EOF
   cat > "$r/40-kube-scheduler.sh" <<EOF
 #!/bin/sh
@@ -425,6 +434,7 @@ imageGCHighThresholdPercent: 100
 evictionHard: {memory.available: 100Mi, nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
 serializeImagePulls: false
 nodeStatusUpdateFrequency: 4s
+nodeLeaseDurationSeconds: $NODE_LEASE_S
 syncFrequency: 10s
 fileCheckFrequency: 60s
 maxPods: 60
@@ -704,6 +714,36 @@ kill_container() {  # kill_container NODE CONTAINER_ID: SIGKILL a container's ta
   ctr_in "$n" -n k8s.io tasks kill -s SIGKILL "$id" >&2 || die "ctr tasks kill $id on $node failed (see above)"
 }
 
+node_index() {  # node_index NODE: N of spectrain-nN, or die
+  local n=${1#spectrain-n}
+  [[ " ${NODES[*]} " == *" $n "* ]] || die "no node $1 (spectrain-n1 or spectrain-n2)"
+  echo "$n"
+}
+
+stop_node() {  # stop_node NODE: KILL its PID 1: the kernel kills kubelet, containerd and every container
+  local n sup d
+  n=$(node_index "$1"); d=$(member_dir "$n")
+  is_up || die "the cluster is not up: run $0 up"
+  sup=$(cat "$d/supervisor.hostpid")
+  kill -KILL "$sup"
+  wait_for "node $1's processes gone" 30 bash -c "! kill -0 $(cat "$d/unshare.hostpid") 2>/dev/null" \
+    || die "node $1's namespace did not end after its PID 1 was killed"
+  rm -f "$d/ready"
+  log "stopped $1 (its Node object turns NotReady after ${NODE_GRACE_S}s)"
+}
+
+start_node() {  # start_node NODE: a stopped node again, on its state and image store, until Ready
+  local n d
+  n=$(node_index "$1"); d=$(member_dir "$n")
+  [[ -f "$STATE/admin.kubeconfig" ]] || die "the cluster is not up: run $0 up"
+  if [[ -f "$d/ready" ]] && kill -0 "$(cat "$d/supervisor.hostpid")" 2>/dev/null; then log "$1 runs"; return 0; fi
+  bins
+  start_member "$n"
+  wait_member "$n" "$UP_TIMEOUT"
+  wait_for "$1 Ready" "$UP_TIMEOUT" nodes_ready || die "$1 not Ready after ${UP_TIMEOUT}s: see $d/log/kubelet.log"
+  log "started $1"
+}
+
 case "${1:-}" in
   up) up ;;
   down) down "${2:-}" ;;
@@ -711,6 +751,8 @@ case "${1:-}" in
   env) [[ -f "$STATE/admin.kubeconfig" ]] || die "the cluster is not up: run $0 up"; print_env ;;
   load-image) [[ $# == 2 ]] || die "usage: $0 load-image ARCHIVE"; load_image "$2" ;;
   kill-container) [[ $# == 3 ]] || die "usage: $0 kill-container NODE CONTAINER_ID"; kill_container "$2" "$3" ;;
+  stop-node) [[ $# == 2 ]] || die "usage: $0 stop-node NODE"; stop_node "$2" ;;
+  start-node) [[ $# == 2 ]] || die "usage: $0 start-node NODE"; start_node "$2" ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
-  *) die "unknown command $1 (up|down|status|env|load-image ARCHIVE|kill-container NODE ID)" ;;
+  *) die "unknown command $1 (up|down|status|env|load-image ARCHIVE|kill-container NODE ID|stop-node NODE|start-node NODE)" ;;
 esac

@@ -48,6 +48,14 @@ class RealCluster:
         would: no SIGTERM, no cleanup; the kubelet sees it exit 137."""
         _run("bash", str(CLUSTER_SH), "kill-container", node, container_id, timeout=60)
 
+    def stop_node(self, node: str) -> None:
+        """SIGKILL `node`'s kubelet, containerd and every container at once, as a node crash would."""
+        _run("bash", str(CLUSTER_SH), "stop-node", node, timeout=120)
+
+    def start_node(self, node: str) -> None:
+        """Start a stopped `node` again (its state and images kept), until it is Ready."""
+        _run("bash", str(CLUSTER_SH), "start-node", node, timeout=600)
+
     def test_image(self) -> str:
         """Build (cached) and load the small smoke-test image; return its name."""
         archive = _run("bash", str(TEST_IMAGE_SH), timeout=900).strip().splitlines()[-1]

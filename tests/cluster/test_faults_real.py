@@ -9,16 +9,21 @@ operator leader, and `kubectl delete stj` with the real garbage collector.
 2. The operator's leader is SIGKILLed mid-job: the other replica takes over and the job finishes.
 3. `kubectl delete stj` removes every child: nothing owned by the job or labelled with its name
    is left.
+
+And on a job of its own, a node lost mid-job (its kubelet, containerd and containers killed at
+once): a gang restart from the last checkpoint on the node left, then completion.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
 
 from spectrain_api.config import DrafterSpec
+from spectrain_operator.builders import LABEL_GENERATION
 from tests.cluster.stack import Stack
 from tests.waiting import wait_for
 
@@ -99,3 +104,58 @@ def _children(stack: Stack, uid: str) -> list[str]:
         if owned or (md.get("labels") or {}).get("spectrain.io/job-name") == NAME:
             left.append(f"{o['kind']}/{md['name']}")
     return left
+
+
+LOST = "nodeloss"
+LOSS_CHECKPOINT_EVERY = 20
+LOSS_STEPS = 120
+# The job tolerates a lost node this long before the taint manager evicts its pod (Kubernetes adds
+# 300 s when a pod sets nothing): what a team whose ranks cannot wait sets in spec.scheduling.
+NODE_LOSS_TOLERATION_S = 5
+
+
+def test_a_lost_node_restarts_the_gang_from_its_checkpoint_on_the_node_left(stack: Stack) -> None:
+    """One node's kubelet, containerd and containers killed at once mid-job: the Node turns
+    NotReady, the taint manager evicts the job's pod there, the operator restarts the gang (reason
+    PodEvicted), force-deletes the pod whose kubelet will never confirm it, and the new generation
+    resumes from the last checkpoint on the node left and runs to the end."""
+    m = stack.example("demo.yaml")
+    m["metadata"]["name"] = LOST
+    t = m["spec"]["target"]
+    t["steps"], t["checkpoint"]["everySteps"] = LOSS_STEPS, LOSS_CHECKPOINT_EVERY
+    claim = t["checkpoint"]["claimName"] = f"{LOST}-run"
+    m["spec"]["scheduling"] = {"tolerations": [
+        {"key": f"node.kubernetes.io/{taint}", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": NODE_LOSS_TOLERATION_S} for taint in ("unreachable", "not-ready")]}
+    volume = stack.claim(claim)
+    stack.apply(m)
+    stack.wait_phase(LOST, "Running", 300)
+    # a checkpoint every rank holds, and the job still short of its next one
+    wait_for(lambda: all(list(volume.glob(f"target/rank-{r}/step-*")) for r in (0, 1)), 300, 0.2,
+             "the first checkpoint of both ranks")
+    pods = {p.metadata.name: p for p in stack.pods(LOST)}
+    lost_node = pods[f"{LOST}-1"].spec.node_name
+    left = next(n for n in stack.cluster.nodes if n != lost_node)
+    old_uids = {p.metadata.uid for p in pods.values()}
+    stack.cluster.stop_node(lost_node)
+    try:
+        st = stack.wait_phase(LOST, "Succeeded", JOB_TIMEOUT_S)
+        why = stack.describe(LOST)
+        reasons = [e.reason for e in stack.events(LOST)]
+        assert st["restarts"] == 1 and st["restartsTowardsMax"] == 0, why
+        assert "PodEvicted" in reasons and "PodForceDeleted" in reasons, (reasons, why)
+        assert "evicted (DeletionByTaintManager)" in st["lastFailure"], st["lastFailure"]
+        new = stack.pods(LOST)
+        assert {p.metadata.uid for p in new}.isdisjoint(old_uids), "an old pod is still the job's"
+        assert {p.spec.node_name for p in new} == {left}, [p.spec.node_name for p in new]
+        assert all(p.metadata.labels[LABEL_GENERATION] == "1" for p in new)
+        # resumed, not started over: the new rank 0's first step follows a checkpoint
+        log = stack.logs(f"{LOST}-0", "target")
+        first = re.search(r"\] step (\d+)/", log)
+        assert first, log[-2000:]
+        resumed_from = int(first.group(1)) - 1
+        assert resumed_from > 0 and resumed_from % LOSS_CHECKPOINT_EVERY == 0, log[-2000:]
+        assert st["progress"]["step"] == LOSS_STEPS, st["progress"]
+        print(f"node {lost_node} lost; the gang resumed from step {resumed_from} on {left}")
+    finally:
+        stack.cluster.start_node(lost_node)

@@ -38,6 +38,7 @@ class Plan:
     status: Obj
     create_nodes: list[int] = field(default_factory=list)
     delete_pods: list[str] = field(default_factory=list)
+    force_delete_pods: list[str] = field(default_factory=list)   # grace 0: their kubelet is gone (restart.force_overdue)
     events: list[Event] = field(default_factory=list)
     delete_job: bool = False
     requeue_after: float | None = None

@@ -11,6 +11,16 @@ n counting the restarts of its own kind.
 Pods that vanish after they were created (someone deleted them, or the scheduler, the kubelet or
 Kueue evicted them) restart the job at once, with no backoff and not counted; the reason is
 PodEvicted with the evicter's condition on the pod, otherwise PodDeleted.
+
+A pod on a lost node never goes away by itself: the taint manager deletes it (its toleration of
+`node.kubernetes.io/unreachable` ran out), but only the node's kubelet can confirm that its
+containers stopped, and the replacement needs the rank's name (and `busy` keeps the rank's node
+until the old pod is gone). So a deleted pod still there FORCE_DELETE_AFTER_S past its
+deletionTimestamp (the end of its grace period, when a live kubelet has long SIGKILLed it) is
+deleted without waiting for its kubelet (`force_overdue`). Its containers, if the node only lost
+its network, run on until the kubelet reconnects and kills them; in a job of several pods they cannot
+step (every step needs every rank of the old generation), so they write no checkpoint (a job of one
+pod can: docs/operations.md, "A lost node").
 """
 
 from __future__ import annotations
@@ -29,6 +39,9 @@ MAX_BACKOFF_S = 3600.0
 # manager, eviction API, kubelet) and Kueue's (a pod group preempted or its Workload evicted).
 EVICTION_CONDITIONS = ("DisruptionTarget", "TerminationTarget")
 MAX_EVICTION_MESSAGE_CHARS = 1000
+# How long after a deleted pod's deletionTimestamp (its grace period's end) the operator stops
+# waiting for its kubelet: a live kubelet removes it within seconds of the SIGKILL at that time.
+FORCE_DELETE_AFTER_S = 20.0
 
 
 def backoff_seconds(base: float, attempt: int) -> float:
@@ -103,3 +116,22 @@ def replace_missing(ctx: Context) -> Outcome | None:
                        counted=False, immediate=True)
     return restart(ctx, "PodDeleted", f"pod(s) {names} disappeared (deleted or evicted)",
                    counted=False, immediate=True)
+
+
+def force_overdue(ctx: Context) -> None:
+    """Force-delete (grace 0) the job's deleted pods that are FORCE_DELETE_AFTER_S past their
+    deletionTimestamp, one Warning Event each; look again when the next one comes due."""
+    for pod in ctx.pods.every:
+        due = parse_time((pod.get("metadata") or {}).get("deletionTimestamp"))
+        if due is None:
+            continue
+        late = (ctx.now - due).total_seconds()
+        if late < FORCE_DELETE_AFTER_S:
+            ctx.plan.requeue(FORCE_DELETE_AFTER_S - late)
+            continue
+        name, node = podlib.name(pod), (pod.get("spec") or {}).get("nodeName") or "no node"
+        ctx.plan.force_delete_pods.append(name)
+        ctx.plan.events.append(Event("Warning", "PodForceDeleted",
+                                     f"pod {name} was due to stop at {fmt_time(due)} and its node ({node}) has "
+                                     f"not confirmed it for {late:.0f} s (node lost?): deleted without waiting "
+                                     "for its kubelet"))

@@ -41,7 +41,7 @@ class FakeKube:
         self.creates.append(key)
         return obj
 
-    def delete_pod(self, namespace: str, name: str) -> None:
+    def delete_pod(self, namespace: str, name: str, *, grace_seconds: int | None = None) -> None:
         self.objects.pop(("Pod", name), None)
 
     def patch_status(self, namespace: str, name: str, status: Obj, old: Obj | None = None) -> None:

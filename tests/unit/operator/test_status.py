@@ -468,14 +468,46 @@ def test_a_replacement_waits_until_the_old_pod_of_its_node_stopped() -> None:
     j["metadata"]["labels"] = dict(QUEUED)
     old = running(j, gen=0)
     for p in old:  # deleted by the restart, still running: its kubelet has not stopped it yet
-        p["metadata"]["deletionTimestamp"] = "2026-01-01T11:59:00Z"
+        p["metadata"]["deletionTimestamp"] = "2026-01-01T11:59:59Z"
         p["spec"]["nodeName"] = "node-a"
     plan = st.decide(j, old, NOW)
-    assert plan.create_nodes == [] and plan.requeue_after == 1.0
+    assert plan.create_nodes == [] and plan.requeue_after == 1.0 and plan.force_delete_pods == []
     old[0]["status"]["phase"] = "Failed"  # node 0's kubelet stopped it; Kueue still holds it
     plan = st.decide(j, old, NOW)
     assert plan.create_nodes == [0]
     assert builders.pod(j, 0, generation=1)[0]["metadata"]["name"] == "j-0-r" != old[0]["metadata"]["name"]
+
+
+def test_a_pod_on_a_lost_node_is_force_deleted_once_well_past_its_grace_period() -> None:
+    """The taint manager deletes the pods of an unreachable node; nothing but that node's kubelet
+    would remove them, and the replacements need their names: the operator stops waiting
+    FORCE_DELETE_AFTER_S after their deletionTimestamp (a live kubelet removes a pod seconds after
+    it), and only then."""
+    from spectrain_operator.policy.restart import FORCE_DELETE_AFTER_S
+
+    j = job(created_status())
+    pods = running(j)
+    lost = pods[1]
+    lost["spec"]["nodeName"] = "node-b"
+    due = NOW + timedelta(seconds=30)          # evicted now, with a 30 s grace period
+    lost["metadata"]["deletionTimestamp"] = st.fmt_time(due)
+    lost["status"]["conditions"].append({"type": "DisruptionTarget", "status": "True",
+                                         "reason": "DeletionByTaintManager",
+                                         "message": "Taint manager: deleting due to NoExecute taint"})
+    plan = st.decide(j, pods, NOW)
+    assert plan.status["phase"] == "Restarting" and plan.status["lastFailure"].startswith("pod(s) j-1 evicted")
+    assert plan.force_delete_pods == [] and plan.requeue_after == 0.0    # the restart looks again at once
+    j["status"] = plan.status
+    plan = st.decide(j, pods, due + timedelta(seconds=FORCE_DELETE_AFTER_S - 1))
+    assert plan.force_delete_pods == [] and plan.create_nodes == []
+    assert plan.requeue_after == pytest.approx(1.0)
+    plan = st.decide(j, pods, due + timedelta(seconds=FORCE_DELETE_AFTER_S))
+    assert plan.force_delete_pods == ["j-1"] and plan.create_nodes == []
+    (ev,) = [e for e in plan.events if e.reason == "PodForceDeleted"]
+    assert ev.type == "Warning" and "node-b" in ev.message and "j-1" in ev.message
+    j["status"] = plan.status
+    plan = st.decide(j, [], due + timedelta(seconds=FORCE_DELETE_AFTER_S + 1))   # both gone: the new gang
+    assert plan.force_delete_pods == [] and plan.create_nodes == [0, 1]
 
 
 def test_a_pod_group_evicted_by_kueue_restarts_with_kueues_reason() -> None:
