@@ -145,6 +145,12 @@ DEVICES = ("auto", "cpu", "cuda")
 # acceptance not finite; unmeasured: no held-back samples (or no idle window) to measure it against
 # LATEST or the floor; version_reused: a version at or below the export root's high-water mark.
 EXPORT_REJECT_CAUSES = ("below_latest", "below_floor", "non_finite", "unmeasured", "version_reused")
+# The robust combine (drafter.robust_combine): contributions the coordinator adjusted, by cause, in the
+# coordinator's summary (combineAdjustedByCause), Prometheus (spectrain_drafter_combine_adjusted_total
+# {cause}) and `spectrain report`. work_capped: claimed work above what its stream's wall time allows;
+# outlier_clipped: an update far from the round's others, scaled back; weight_capped: a rank's weight
+# held to its share of the round.
+COMBINE_ADJUST_CAUSES = ("work_capped", "outlier_clipped", "weight_capped")
 # spec.drafter.export.minAcceptance, in tokens per verification (the acceptance length, >= 1 for any
 # drafter: the target's own token); 0 is no floor. The bound keeps a typo from rejecting every export.
 MAX_MIN_ACCEPTANCE = 64.0

@@ -33,10 +33,12 @@ from collections.abc import Mapping
 
 import torch
 
+from spectrain_api.names import COMBINE_ADJUST_CAUSES
+
 WEIGHT_CAP_FACTOR = 2.0      # x the median of the others' work: pipeline stages' idle time differs ~2x
 OUTLIER_FACTOR = 3.0         # x the median distance to the round's centre
 MIN_OUTLIER_RANKS = 3        # working ranks needed before a median tells the outlier apart
-COMBINE_ADJUSTMENTS = ("work_capped", "outlier_clipped", "weight_capped")   # the causes counted
+COMBINE_ADJUSTMENTS = COMBINE_ADJUST_CAUSES   # the causes counted
 
 Params = Mapping[str, torch.Tensor]
 

@@ -112,6 +112,8 @@ def headline(s: dict[str, Any]) -> list[str]:
     rows += [(k, _fmt(s.get(k))) for k in ("target_slowdown_ratio", "artifact")]
     rejected = s.get("exports_rejected_by_cause") or {}
     rows.append(("exports_rejected", ", ".join(f"{n} {c}" for c, n in rejected.items() if n) or "none"))
+    adjusted = s.get("combine_adjusted_by_cause") or {}
+    rows.append(("combine_adjusted", ", ".join(f"{n} {c}" for c, n in adjusted.items() if n) or "none"))
     if s.get("serving_layouts"):
         rows.append(("serving_layouts", ", ".join(s["serving_layouts"])))
     rows += [(f"rank {r}", _rank_line(p)) for r, p in (s.get("per_rank") or {}).items()]

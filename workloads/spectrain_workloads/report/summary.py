@@ -6,6 +6,7 @@ Keys (the ones `make demo` / `make demo-rl` print are in render.HEADLINE):
 - acceptance_length (final: the exported drafter's newest measurement), acceptance_length_peak;
 - artifact: where the deployable drafter is; exports_rejected_by_cause: candidate exports the export
   gate kept from LATEST, by cause (names.EXPORT_REJECT_CAUSES, summed over the drafters' summaries);
+  combine_adjusted_by_cause: contributions the robust combine capped or clipped (names.COMBINE_ADJUST_CAUSES);
 - harvest.py: idle_s(_by_kind), harvested_s(_by_kind), harvested_fraction_of_idle,
   effective_harvest_s, effective_harvest_fraction, harvest_efficiency, overrun_ms_p99,
   harvested_s_by_rank, effective_s_by_rank, per_rank (rank -> idle/harvested by kind, effective,
@@ -21,7 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from spectrain_api.names import EXPORT_REJECT_CAUSES
+from spectrain_api.names import COMBINE_ADJUST_CAUSES, EXPORT_REJECT_CAUSES
 from spectrain_workloads.report.data import RankData, data_dir, load
 from spectrain_workloads.report.harvest import acceptance, harvest
 from spectrain_workloads.report.rl import is_rl, rl_figures
@@ -53,9 +54,19 @@ def artifact(run_dir: Path, ranks: dict[int, RankData]) -> str | None:
 
 def exports_rejected(ranks: dict[int, RankData]) -> dict[str, int]:
     """The export gate's rejections by cause over every drafter's summary (the exporting rank's gate)."""
-    out = dict.fromkeys(EXPORT_REJECT_CAUSES, 0)
+    return _by_cause(ranks, "exportsRejectedByCause", EXPORT_REJECT_CAUSES)
+
+
+def combine_adjusted(ranks: dict[int, RankData]) -> dict[str, int]:
+    """The robust combine's adjustments by cause over every drafter's summary (the coordinator's)."""
+    return _by_cause(ranks, "combineAdjustedByCause", COMBINE_ADJUST_CAUSES)
+
+
+def _by_cause(ranks: dict[int, RankData], key: str, causes: tuple[str, ...]) -> dict[str, int]:
+    """Per cause, the sum of the positive integer counts the summaries give under `key`."""
+    out = dict.fromkeys(causes, 0)
     for rd in ranks.values():
-        by = rd.summary.get("exportsRejectedByCause")
+        by = rd.summary.get(key)
         for cause in out:
             n = by.get(cause) if isinstance(by, dict) else None
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
@@ -99,6 +110,7 @@ def summarize(run_dir: Path, ranks: dict[int, RankData] | None = None) -> dict[s
         "artifact": (art := artifact(run_dir, ranks)),
         "serving_layouts": serving_layouts(art),
         "exports_rejected_by_cause": exports_rejected(ranks),
+        "combine_adjusted_by_cause": combine_adjusted(ranks),
         **harvest(ranks),
     }
     if is_rl(ranks):
@@ -106,4 +118,4 @@ def summarize(run_dir: Path, ranks: dict[int, RankData] | None = None) -> dict[s
     return out
 
 
-__all__ = ["artifact", "exports_rejected", "serving_layouts", "step_times", "summarize"]
+__all__ = ["artifact", "combine_adjusted", "exports_rejected", "serving_layouts", "step_times", "summarize"]

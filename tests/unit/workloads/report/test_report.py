@@ -72,7 +72,8 @@ def pretrain_run(d: Path, *, summary0: dict[str, Any] | None = None) -> None:
     ])
     rundir.drafter_summary(d, 1).write_text(json.dumps(
         {"state": "Active", "artifact": "/x/drafter/v2", "acceptanceLength": 2.5, "harvestEfficiency": 0.5,
-         "exportsRejectedByCause": {"below_latest": 3, "below_floor": 1, "non_finite": 0, "unmeasured": "x"}}))
+         "exportsRejectedByCause": {"below_latest": 3, "below_floor": 1, "non_finite": 0, "unmeasured": "x"},
+         "combineAdjustedByCause": {"work_capped": 2, "outlier_clipped": -1, "weight_capped": True}}))
     for r in (0, 1):
         write_jsonl(m / f"target-rank-{r}.jsonl", [{"step": s, "loss": 5.0 - s, "step_time_s": 0.5,
                                                     "time_ns": T0 + s * S // 2} for s in range(4)])
@@ -98,6 +99,8 @@ def test_idle_harvested_and_effective_seconds_per_rank(tmp_path: Path) -> None:
     assert s["artifact"] == "/x/drafter/v2" and s["steps"] == 4 and "reward_first" not in s
     assert s["exports_rejected_by_cause"] == {"below_latest": 3, "below_floor": 1, "non_finite": 0, "unmeasured": 0,
                                               "version_reused": 0}
+    # counts that are not positive integers (a summary any drafter of the job writes) count nothing
+    assert s["combine_adjusted_by_cause"] == {"work_capped": 2, "outlier_clipped": 0, "weight_capped": 0}
 
 
 def test_combined_work_seconds_and_exchange_counters_are_used_when_the_drafter_reports_them(tmp_path: Path) -> None:
@@ -214,6 +217,7 @@ def test_report_files_and_headline(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "2.5 final, 3.5 peak" in out and "reward" not in out
     assert "exports_rejected         3 below_latest, 1 below_floor" in out
     assert "| exports_rejected_by_cause | below_latest 3, below_floor 1 |" in text
+    assert "combine_adjusted         2 work_capped" in out and "| combine_adjusted_by_cause | work_capped 2 |" in text
 
     path = report.build_report(rl)
     report.print_headline(rl, path)
