@@ -533,6 +533,12 @@ def status_schema() -> dict[str, Any]:
         "fleetKeyUID": s("UID of the fleet-key Secret the operator created for this job, recorded before any "
                          "pod mounts it: the operator may not read Secrets, so a Secret of that name it finds "
                          "existing is accepted as the job's own only when this is set."),
+        "fleetIdentityGenerations": a("Restart generations whose per-pod fleet identity Secrets "
+                                      "(<job>-fleet-id-<generation>-<node>) the operator created, all of a "
+                                      "generation's in one pass and before any of its pods, and has not deleted "
+                                      "yet; the operator may not read or list Secrets, so this is its record of "
+                                      "them (docs/operations.md, Per-pod identities).",
+                                      i("A restart generation.", minimum=0), maxItems=1000),
         "drafterDisabled": b("The drafter was turned off: disabled in place (past drafter.maxFailures, or a "
                              "drafter failurePolicy rule; the sidecars of drafterDisabledGeneration read this "
                              f"and idle, pods created in it carry {C.ANNOTATION_DRAFTER_DISABLED}, the target "

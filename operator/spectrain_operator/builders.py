@@ -17,7 +17,7 @@ import copy
 import json
 from typing import Any
 
-from spectrain_api import rundir
+from spectrain_api import fleet_identity, rundir
 from spectrain_api.names import (
     ANNOTATION_DRAFTER_DISABLED,
     API_VERSION,
@@ -28,7 +28,9 @@ from spectrain_api.names import (
     ENV_DRAFTER_ENABLED,
     ENV_DRAFTER_PEERS,
     ENV_EXPORT_DIR,
+    ENV_FLEET_IDENTITY_FILE,
     ENV_FLEET_KEY_FILE,
+    ENV_FLEET_PEERS_FILE,
     ENV_JOB_NAME,
     ENV_JOB_UID,
     ENV_METRICS_PORT,
@@ -48,6 +50,7 @@ from spectrain_operator.objects import (
     LABEL_JOB,
     Obj,
     config_name,
+    fleet_identity_name,
     fleet_key_name,
     job_labels,
     network_policy_name,
@@ -84,6 +87,9 @@ PODINFO_DIR = f"{CONFIG_DIR}/podinfo"
 PODINFO_ANNOTATIONS = "annotations"
 # The drafters' fleet key (spectrain_operator.access), mounted read-only into the drafter container only.
 FLEET_KEY_DIR = f"{CONFIG_DIR}/fleet-key"
+# The pod's own fleet identity for its restart generation (spectrain_api.fleet_identity): its private
+# key and every pod's public key, from the Secret the operator mints per pod and generation; drafter only.
+FLEET_IDENTITY_DIR = f"{CONFIG_DIR}/fleet-identity"
 # The drafter container's memory limit when spec.drafter.resources sets none (a user value wins): a
 # drafter that leaks or is fed oversized frames is OOM-killed alone (a drafter fault), never the node.
 DRAFTER_MEMORY_LIMIT = "8Gi"
@@ -197,6 +203,8 @@ def _drafter_identity_env(job: Obj, generation: int) -> list[Obj]:
     the control file through which a drafter disabled in place learns it."""
     return [
         {"name": ENV_FLEET_KEY_FILE, "value": f"{FLEET_KEY_DIR}/{access.FLEET_KEY_ITEM}"},
+        {"name": ENV_FLEET_IDENTITY_FILE, "value": f"{FLEET_IDENTITY_DIR}/{fleet_identity.IDENTITY_ITEM}"},
+        {"name": ENV_FLEET_PEERS_FILE, "value": f"{FLEET_IDENTITY_DIR}/{fleet_identity.PEERS_ITEM}"},
         {"name": ENV_JOB_UID, "value": str(job["metadata"].get("uid") or "")},
         {"name": ENV_RESTART_GENERATION, "value": str(generation)},
         {"name": ENV_POD_IPS, "valueFrom": {"fieldRef": {"fieldPath": "status.podIPs"}}},
@@ -204,11 +212,13 @@ def _drafter_identity_env(job: Obj, generation: int) -> list[Obj]:
     ]
 
 
-def _drafter_volumes(job: Obj) -> list[Obj]:
+def _drafter_volumes(job: Obj, node: int, generation: int) -> list[Obj]:
     return [
         {"name": "podinfo", "downwardAPI": {"items": [
             {"path": PODINFO_ANNOTATIONS, "fieldRef": {"fieldPath": "metadata.annotations"}}]}},
         {"name": "fleet-key", "secret": {"secretName": fleet_key_name(job), "defaultMode": access.FLEET_KEY_MODE}},
+        {"name": "fleet-identity", "secret": {"secretName": fleet_identity_name(job, node, generation),
+                                              "defaultMode": access.FLEET_KEY_MODE}},
     ]
 
 
@@ -316,7 +326,8 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
             + metrics_container_ports(job, DRAFTER_METRICS_PORT_NAME, DRAFTER_METRICS_PORT),
             "volumeMounts": _mounts(job, data=False, drafter=True) + [
                 {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True},
-                {"name": "fleet-key", "mountPath": FLEET_KEY_DIR, "readOnly": True}],
+                {"name": "fleet-key", "mountPath": FLEET_KEY_DIR, "readOnly": True},
+                {"name": "fleet-identity", "mountPath": FLEET_IDENTITY_DIR, "readOnly": True}],
             "resources": _drafter_resources(job),
             "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
             "securityContext": access.container_security_context(d.get("securityContext")),
@@ -335,7 +346,7 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
             "securityContext": access.pod_security_context(job),
             "initContainers": init,
             "containers": [target],
-            "volumes": _volumes(job) + (_drafter_volumes(job) if drafter_on else []),
+            "volumes": _volumes(job) + (_drafter_volumes(job, node, generation) if drafter_on else []),
         },
     }
     if not init:

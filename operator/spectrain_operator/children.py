@@ -1,10 +1,11 @@
 """Creating a pass's children: create-or-get of every object concurrently, and the fleet key's record.
 
 The objects of one pass (ConfigMap, Service, ServiceAccount, Role, RoleBinding, NetworkPolicy, the
-fleet-key Secret, then the pods) are independent within their group, so they are created on a small
-pool; a 409 is the object already there (kube.Kube.create compares its owner). The fleet-key Secret
-is the exception the operator cannot check by reading (it may only create Secrets): the job's
-status records the UID of the one it created, and a 409 on it is accepted only with that record.
+fleet-key Secret; then the generation's fleet identity Secrets, identities.py; then the pods) are
+independent within their group, so they are created on a small pool; a 409 is the object already
+there (kube.Kube.create compares its owner). The fleet-key Secret is the exception the operator
+cannot check by reading (it may not read Secrets): the job's status records the UID of the one it
+created, and a 409 on it is accepted only with that record.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from spectrain_operator import objects
+from spectrain_operator.identities import FleetIdentities
 from spectrain_operator.kube import Kube, OwnerConflict, RejectedError, UnverifiedConflict
 
 Obj = dict[str, Any]
@@ -28,6 +30,7 @@ class Children:
     def __init__(self, kube: Kube) -> None:
         self.kube = kube
         self._pool = ThreadPoolExecutor(CREATE_WORKERS, thread_name_prefix="spectrain-create")
+        self.identities = FleetIdentities(kube, self._pool)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

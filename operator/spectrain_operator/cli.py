@@ -3,8 +3,9 @@
     spectrain validate FILE...   exit 0 if every document is valid, 1 otherwise; one line per
                                  error: FILE: field.path: what is wrong and how to fix it
     spectrain render FILE        the exact objects the operator creates (ownerReferences aside,
-                                 and without the Secret <job>-fleet-key, whose random key the
-                                 operator makes once per job), as a YAML stream
+                                 and without its Secrets of random keys: <job>-fleet-key, made
+                                 once per job, and the per-pod fleet identities
+                                 <job>-fleet-id-<generation>-<node>), as a YAML stream
     spectrain run FILE           run the job on this machine (local backend)
     spectrain report RUN_DIR     the run report (timeline, harvest, losses)
     spectrain generate ...       speculative decoding with an HF model and an exported drafter
@@ -121,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("-q", "--quiet", action="store_true", help="print nothing when everything is valid")
     v.set_defaults(func=_validate)
     r = sub.add_parser("render", help="print the objects the operator would create, as YAML (all but the "
-                                      "fleet-key Secret, whose key the operator generates)")
+                                      "Secrets of random keys the operator generates: the fleet key, "
+                                      "the per-pod fleet identities)")
     r.add_argument("file", metavar="FILE")
     r.add_argument("-n", "--namespace", default=None, help="namespace to render into (default: the manifest's)")
     r.add_argument("--without-drafter", action="store_true",

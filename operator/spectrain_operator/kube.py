@@ -55,8 +55,8 @@ EXIT_UNSUPPORTED_SERVER = 3
 # Answers worth retrying in place: throttled (429) or a server-side hiccup. 409 is not among them:
 # a conflict needs a fresh read, which only the caller can do.
 _RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
-# Kinds the operator may create but not read (RBAC: create only, see the chart), so their owner
-# cannot be checked on a 409: the caller decides (the fleet-key Secret, reconciler.py).
+# Kinds the operator may create but not read (RBAC: create and delete, see the chart), so their owner
+# cannot be checked on a 409: the caller decides (children.py: the fleet key; identities.py).
 UNREADABLE_KINDS = frozenset({"Secret"})
 
 
@@ -309,6 +309,10 @@ class Kube:
     def delete_pod(self, namespace: str, name: str, *, grace_seconds: int | None = None) -> None:
         """Delete a pod (grace_seconds 0: at once, without waiting for its kubelet's confirmation)."""
         self.delete(_CORE, "Pod", namespace, name, grace_seconds=grace_seconds)
+
+    def delete_secret(self, namespace: str, name: str) -> None:
+        """Delete a Secret by name (a fleet identity of a retired or incomplete generation)."""
+        self.delete(_CORE, "Secret", namespace, name)
 
     def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
         """Merge-patch the pod's annotations (a pod already gone is fine: 404 is None)."""

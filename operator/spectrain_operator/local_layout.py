@@ -9,7 +9,10 @@ the ConfigMap becomes files, the rendezvous and the drafters' ports go to loopba
 block per pod). A subPath mount is its directory inside the volume's; `readOnly` is not enforced
 (no mount namespaces: the drafter's read-only view of the run volume exists only in a cluster).
 The drafters' fleet key is one per run dir (`fleet/key`, mode 0600, kept for `--resume`), and so
-is the job's identity (`fleet/job-uid`, a uuid4: the pods' ENV_JOB_UID).
+is the job's identity (`fleet/job-uid`, a uuid4: the pods' ENV_JOB_UID). Each pod's fleet identity
+(spectrain_api.fleet_identity) is minted afresh for every invocation (`fleet/identity/<pod>/`: its
+private key, mode 0600, and every pod's public key), as the operator mints them per restart
+generation; the processes share one user, so unlike pods they could read each other's files.
 `local.execute` runs what it plans.
 
 Torch-free.
@@ -33,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from spectrain_api import fleet_identity
 from spectrain_api.fsio import atomic_write_text
 from spectrain_api.names import (
     ENV_DEVICE,
@@ -198,8 +202,38 @@ def write_control_file(path: Path, annotations: dict[str, str]) -> None:
                       durable=False)
 
 
+def mint_identities(job: dict[str, Any], pods: list[dict[str, Any]], run_dir: Path) -> dict[str, Path]:
+    """Each drafter pod's fleet identity, fresh (`fleet/identity/<pod>/`): Secret name -> its directory."""
+    names = {}
+    for pod in pods:
+        for vol in pod["spec"].get("volumes", []):
+            secret = (vol.get("secret") or {}).get("secretName")
+            if secret and secret != objects.fleet_key_name(job):
+                names[pod["metadata"]["name"]] = secret
+    if not names:
+        return {}
+    pairs = fleet_identity.mint(len(pods))
+    local_world = int(job["spec"]["target"]["procsPerNode"])
+    peers = fleet_identity.peers_document(job["metadata"]["uid"], 0, local_world, [pub for _, pub in pairs])
+    dirs = {}
+    for pod, (private, _) in zip(pods, pairs, strict=True):
+        name = pod["metadata"]["name"]
+        if name not in names:
+            continue
+        d = run_dir / FLEET_DIR / "identity" / name
+        d.mkdir(parents=True, exist_ok=True)
+        key = d / fleet_identity.IDENTITY_ITEM
+        key.unlink(missing_ok=True)
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(private.hex())
+        (d / fleet_identity.PEERS_ITEM).write_text(peers)
+        dirs[names[name]] = d
+    return dirs
+
+
 def _volume_dirs(pod: dict[str, Any], configmaps: dict[str, dict[str, Any]], run_dir: Path,
-                 shm_dir: Path, fleet_secret: str) -> dict[str, Path]:
+                 shm_dir: Path, secrets_: dict[str, Path]) -> dict[str, Path]:
     """Host directory for every pod volume."""
     name = pod["metadata"]["name"]
     dirs: dict[str, Path] = {}
@@ -224,10 +258,11 @@ def _volume_dirs(pod: dict[str, Any], configmaps: dict[str, dict[str, Any]], run
             for key, text in (cm.get("data") or {}).items():
                 (d / key).write_text(text)
         elif "secret" in vol:
-            if vol["secret"].get("secretName") != fleet_secret:
+            d_ = secrets_.get(vol["secret"].get("secretName"))
+            if d_ is None:
                 raise SystemExit(f"pod {name}: volume {vname} names Secret {vol['secret'].get('secretName')} "
                                  "that the local backend does not make")
-            d = run_dir / FLEET_DIR                 # the run's key, shared like the job's Secret
+            d = d_                                  # the run's key (shared), or this pod's identity
         elif "downwardAPI" in vol:
             d = run_dir / "pods" / name / vname
             d.mkdir(parents=True, exist_ok=True)
@@ -316,8 +351,9 @@ def plan(manifest: dict[str, Any], run_dir: Path, *, shm_dir: Path | None = None
         peer_ports.append(free_port_block(procs, exclude={master_port, *(p + i for p in peer_ports for i in range(procs))}))
     store_port = free_port(exclude={master_port, *(p + i for p in peer_ports for i in range(procs))})
     (run_dir / "logs").mkdir(exist_ok=True)
+    secret_dirs = {objects.fleet_key_name(job): run_dir / FLEET_DIR, **mint_identities(job, pods, run_dir)}
     for pod in pods:
-        vols = _volume_dirs(pod, configmaps, run_dir, shm, objects.fleet_key_name(job))
+        vols = _volume_dirs(pod, configmaps, run_dir, shm, secret_dirs)
         pspec = pod["spec"]
         entries = [(c, c.get("restartPolicy") == "Always") for c in pspec.get("initContainers", [])]
         entries += [(c, False) for c in pspec["containers"]]

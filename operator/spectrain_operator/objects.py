@@ -141,6 +141,12 @@ def fleet_key_name(job: Obj) -> str:
     return f"{job['metadata']['name']}-fleet-key"
 
 
+def fleet_identity_name(job: Obj, node: int, generation: int) -> str:
+    """The Secret holding the fleet identity of `node`'s pod in restart `generation`
+    (spectrain_api.fleet_identity): its private key and every pod's public key."""
+    return f"{job['metadata']['name']}-fleet-id-{generation}-{node}"
+
+
 def pod_name(job: Obj, node: int) -> str:
     """The rank's name: its pod's hostname (peers address it as <pod_name>.<service>), and the
     pod's name except for a Kueue-queued job's odd restart generations (`pod_object_name`)."""

@@ -33,6 +33,7 @@ from spectrain_operator import pods as podlib
 from spectrain_operator import spec as specmod
 from spectrain_operator import status as statusmod
 from spectrain_operator.children import FLEET_KEY_UID_FIELD, Children
+from spectrain_operator.identities import IDENTITY_FIELD
 from spectrain_operator.kube import DRA_API_VERSION, Kube, RejectedError, TransientError
 from spectrain_operator.ratelimit import REQUEUE_BASE_S, REQUEUE_CAP_S, Backoff
 from spectrain_operator.timers import Key, Timers
@@ -42,6 +43,9 @@ log = logging.getLogger("spectrain.reconciler")
 
 _VALIDATION_CACHE_MAX = 4096
 _ERROR_MESSAGE_CHARS = 1000   # condition ReconcileError's message: one line, bounded
+# Status fields that are the reconciler's records rather than status.decide's (the fleet key's UID,
+# the generations whose fleet identities exist): every status write keeps them.
+_RECORDS = (FLEET_KEY_UID_FIELD, IDENTITY_FIELD)
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -307,6 +311,10 @@ class Reconciler:
         plan = statusmod.decide(job, pods, now)
         if plan.create_nodes:
             plan = self._create(job, pods, now, plan)
+        if fresh is None:   # (a new job's pods were not listed, nor has it old generations)
+            remaining = self.children.identities.retire(job, pods, plan.generation)
+            if remaining is not None:
+                plan.status[IDENTITY_FIELD] = remaining
         self._execute(job, plan, None if fresh is not None else pods)
         if plan.status.get("phase") == FAILED:  # no more pods: let Kueue finish the pod group
             self._release_kueue(namespace, pods)
@@ -351,6 +359,9 @@ class Reconciler:
             self.children.record_fleet_key(job, created)
             if error is not None:
                 raise error
+            # The generation's fleet identities, all of them, before any of its pods (identities.py).
+            if builders.drafter_runs(job, plan.drafter_disabled):
+                self.children.identities.ensure(job, plan.generation)
             _, error = self.children.create_all(pod_objs, job)
             if error is not None:
                 raise error
@@ -402,11 +413,10 @@ class Reconciler:
         never written here except to delete the reports of pods not among `pods` (the job's pods,
         listed after the job was read; None: not listed, nothing deleted)."""
         meta = job["metadata"]
-        # status.decide builds the status from its own fields; the fleet key's record is the
-        # reconciler's and must survive every write (a missing key would be deleted by the patch).
-        recorded = (job.get("status") or {}).get(FLEET_KEY_UID_FIELD) if isinstance(job.get("status"), dict) else None
-        if recorded and FLEET_KEY_UID_FIELD not in new:
-            new = {**new, FLEET_KEY_UID_FIELD: recorded}
+        # status.decide builds the status from its own fields; the reconciler's records must survive
+        # every write (a key missing from `new` would be deleted by the patch).
+        current = job["status"] if isinstance(job.get("status"), dict) else {}
+        new = {**{k: current[k] for k in _RECORDS if current.get(k) is not None and k not in new}, **new}
         stale = podlib.stale_reports(old, pods) if pods is not None else []
         old = {k: v for k, v in old.items() if k != STATUS_REPORTS}
         if _pruned(new) != _pruned(old) or stale:

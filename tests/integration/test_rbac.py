@@ -264,6 +264,7 @@ class Run:
 
     def exists(self, kind: str, name: str) -> bool:
         read = {"ConfigMap": self.env.core.read_namespaced_config_map,
+                "Secret": self.env.core.read_namespaced_secret,
                 "Service": self.env.core.read_namespaced_service,
                 "ServiceAccount": self.env.core.read_namespaced_service_account,
                 "Role": client.RbacAuthorizationV1Api(self.env.kube.api_client()).read_namespaced_role,
@@ -296,7 +297,8 @@ class Run:
 def scenario_lifecycle(r: Run) -> None:
     """Create -> children + pod + status + Event; Running; the pod's progress report (the status path,
     as the pod's ServiceAccount) -> status.progress; target exit 1 -> restart (pod deleted and
-    recreated); exit 0 -> Succeeded; ttlSecondsAfterFinished 0 -> the job is deleted."""
+    recreated, with the fleet identity Secret of the new restart generation, the old one's deleted);
+    exit 0 -> Succeeded; ttlSecondsAfterFinished 0 -> the job is deleted."""
     name = "life"
     r.create_job(name, runPolicy={"ttlSecondsAfterFinished": 0})
     pods = r.expect(lambda: r.pods(name), "the job's pod")
@@ -316,6 +318,8 @@ def scenario_lifecycle(r: Run) -> None:
     first_uid = pods[0].metadata.uid
     new = r.expect(lambda: [p for p in r.pods(name) if p.metadata.uid != first_uid], "the restarted pod")
     r.expect(lambda: ((r.job(name) or {}).get("status") or {}).get("restarts") == 1, "status.restarts == 1")
+    r.expect(lambda: r.exists("Secret", f"{name}-fleet-id-1-0") and not r.exists("Secret", f"{name}-fleet-id-0-0"),
+             "generation 1's fleet identity Secret, generation 0's deleted")
     r.kubelet(new[0], "Succeeded", exit_code=0)
     r.expect(lambda: r.job(name) is None, "Succeeded, then deleted by ttlSecondsAfterFinished 0")
 

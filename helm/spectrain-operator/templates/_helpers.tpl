@@ -108,13 +108,15 @@ cluster-wide install (every namespace). The one place this rule lives: RBAC, the
 - apiGroups: [""]
   resources: ["configmaps", "services", "serviceaccounts"]
   verbs: ["create", "get"]
-# The per-job fleet key (Secret <job>-fleet-key, owned by the job, mounted only into the drafter
-# containers): created once and never read back, updated or rotated; the garbage collector deletes
-# it with the job. No get/list/watch: the operator cannot read any Secret, so a 409 on it is the
-# job's own only when the job's status recorded the UID of the one the operator created.
+# The per-job fleet key (Secret <job>-fleet-key) and the per-pod fleet identities (Secrets
+# <job>-fleet-id-<generation>-<node>), owned by the job and mounted only into the drafter
+# containers: created, never read back or updated; the job's status records what was created.
+# `delete`: a restart generation's identities once its pods are gone, and those of a generation whose
+# creation was interrupted (before any of its pods exist); the garbage collector deletes the rest
+# with the job. No get/list/watch: the operator cannot read any Secret.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["create"]
+  verbs: ["create", "delete"]
 # The per-job NetworkPolicy (<job>, owned by the job; spec.networkPolicy.enabled, on by default):
 # created once before the job's pods (`get`: the owner check on 409); the garbage collector
 # deletes it with the job, so no update/delete.

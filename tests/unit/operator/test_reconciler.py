@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from spectrain_operator import reconciler as recmod
+from spectrain_operator.kube import UNREADABLE_KINDS, UnverifiedConflict
 from spectrain_operator.ratelimit import Backoff
 from spectrain_operator.reconciler import Reconciler
 from tests.waiting import wait_for
@@ -36,6 +37,8 @@ class FakeKube:
     def create(self, obj: Obj) -> Obj | None:
         key = (obj["kind"], obj["metadata"]["name"])
         if key in self.objects:
+            if obj["kind"] in UNREADABLE_KINDS:   # as kube.Kube: whose it is cannot be checked
+                raise UnverifiedConflict(obj)
             return None
         self.objects[key] = copy.deepcopy(obj)
         self.creates.append(key)
@@ -44,7 +47,11 @@ class FakeKube:
     def delete_pod(self, namespace: str, name: str, *, grace_seconds: int | None = None) -> None:
         self.objects.pop(("Pod", name), None)
 
-    def patch_status(self, namespace: str, name: str, status: Obj, old: Obj | None = None) -> None:
+    def delete_secret(self, namespace: str, name: str) -> None:
+        self.objects.pop(("Secret", name), None)
+
+    def patch_status(self, namespace: str, name: str, status: Obj, old: Obj | None = None,
+                     attempts: int | None = None) -> None:
         """kube.Kube.patch_status as the API server applies it: a JSON merge patch (RFC 7386)."""
         body = dict(status)
         for key in old or {}:
@@ -152,13 +159,15 @@ def test_a_status_differing_only_by_nulls_is_not_rewritten() -> None:
     kube = FakeKube(job())
     writes: list[Obj] = []
     patch = kube.patch_status
-    kube.patch_status = lambda ns, name, st, old=None: (writes.append(st), patch(ns, name, st, old))  # type: ignore[method-assign]
+    kube.patch_status = lambda ns, name, st, old=None, **kw: (writes.append(st), patch(ns, name, st, old))  # type: ignore[method-assign]
     r = Reconciler(kube)  # type: ignore[arg-type]
     r.reconcile_once(NS, "k")
-    assert writes and writes[0]["drafter"].get("acceptanceLength", "absent") is None  # a null the server drops
+    # the fleet identities' record (before the pods), then the pass's status
+    assert [list(w) for w in writes[:-1]] == [["fleetIdentityGenerations"]]
+    assert writes[-1]["drafter"].get("acceptanceLength", "absent") is None  # a null the server drops
     r.reconcile_once(NS, "k")
     r.reconcile_once(NS, "k")
-    assert len(writes) == 1
+    assert len(writes) == 2
     r.close()
 
 
@@ -287,10 +296,11 @@ def test_a_new_job_s_first_pass_uses_its_event_body_and_later_passes_read_it() -
     r = Reconciler(kube)  # type: ignore[arg-type]
     try:
         r.trigger(NS, "k", fresh=job())
-        assert reads == [] and len(kube.creates) == 9   # created from the ADDED body: no GET, no pod list
+        # created from the ADDED body (children, 2 identity Secrets, 2 pods): no GET, no pod list
+        assert reads == [] and len(kube.creates) == 11
         r.trigger(NS, "k")
         assert reads == ["k", "pods"]
-        assert len(kube.creates) == 9                    # nothing twice
+        assert len(kube.creates) == 11                   # nothing twice
     finally:
         r.close()
 
