@@ -22,8 +22,8 @@ Trust: every connection is authenticated with the job's key and the pod's own id
 a peer speaks only as its own pod's ranks) and everything received is checked before use
 (drafter.checks): samples against the target (`expect`), weights against the local model, claimed
 work against wall time, a combined version only from the coordinator, signed by the coordinator's
-pod, and at most a few versions ahead (further only as the answer to this drafter's own hello). A rejected
-item is dropped and counted by cause (`stats.rejected()`); a bad frame never ends a thread.
+pod, and at most a few versions ahead (further only as the answer to this drafter's own hello). A
+rejected item is dropped and counted by cause (`stats.rejected()`); a bad frame never ends a thread.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ round goes on with whoever contributed, and the peer is taken back when it sends
 
 Every weights frame is checked before use (drafter.checks): a combined version's signature by the
 exporting rank's pod (`_signed`: over the job, generation, version and the payload's sha256, so it
-holds whatever connection carried the version), the parameters against the local model's table, an update no larger than checks.UPDATE_NORM_FACTOR allows, claimed work against wall
-time (`_new_work`), a combined version only from the coordinator and at most a few versions ahead,
+holds whatever connection carried the version), the parameters against the local model's table, an
+update no larger than checks.UPDATE_NORM_FACTOR allows, claimed work against wall time
+(`_new_work`), a combined version only from the coordinator and at most a few versions ahead,
 further only as the answer to this drafter's own hello (its nonce). With engine AllReduce none of
 this runs: the weights go through drafter.allreduce (drafter.ring_replicas).
 """
