@@ -75,7 +75,7 @@ lint: $(STAMP) ## ruff
 
 typecheck: $(STAMP) ## mypy on the operator, the API package, the ring, the drafter fleet, the hooks API, the harvest engine, speculative decoding and the HF targets
 	$(VENV)/bin/mypy --follow-imports=silent operator/spectrain_operator workloads/spectrain_workloads/ring \
-	  operator/spectrain_api workloads/spectrain_workloads/{runtime,loop,topology,listen}.py workloads/spectrain_workloads/target/entry.py workloads/spectrain_workloads/rl/mode.py workloads/spectrain_workloads/drafter/{fleet,fleet_weights,links,replicas,fleet_records,listener,admission,auth,checks,allreduce,ring_replicas,control,worker,worker_intake,worker_tasks,worker_export,export_latest,robust_combine,worker_reporting,eagle3,eagle3_export,eagle3_tables,eagle3_tasks,eagle3_assembly}.py
+	  operator/spectrain_api workloads/spectrain_workloads/{runtime,loop,topology,listen}.py workloads/spectrain_workloads/target/entry.py workloads/spectrain_workloads/rl/mode.py workloads/spectrain_workloads/drafter/{fleet,fleet_weights,links,replicas,fleet_records,listener,admission,auth,identity,checks,allreduce,ring_replicas,control,worker,worker_intake,worker_tasks,worker_export,export_latest,robust_combine,worker_reporting,eagle3,eagle3_export,eagle3_tables,eagle3_tasks,eagle3_assembly}.py
 	$(VENV)/bin/mypy --follow-imports=silent workloads/spectrain_workloads/hooks workloads/spectrain_workloads/harvest \
 	  workloads/spectrain_workloads/hf workloads/spectrain_workloads/specdec workloads/spectrain_workloads/{generate,target_model}.py
 

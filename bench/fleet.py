@@ -21,12 +21,16 @@ alpha_t1_single           teacher-forced; drafter/verify.py): at 120 steps the d
                           for any trained drafter) and only this one tells the variants apart
 target_slowdown_ratio     median target step time, combined / off (drafters and exchange on vs off)
 exchange_mb_per_s         bytes the drafters sent to each other / run wall time, combined runs
-hmac_overhead_ratio       drafter throughput (samples trained from samples that came through the
-                          exchange, per CPU-second of the drafter's process) with the channel's MACs
-                          off / on: a last stage (a process) streams debug-target samples at the
-                          default 64 MB/s cap to a first stage that trains the debug Eagle drafter on
-                          what it takes; MACs on and off interleaved (drafter.auth; "off" exists for
-                          this only). hmac_overhead_ratio_wall: the same per second of wall time
+auth_overhead_ratio       drafter throughput (samples trained from samples that came through the
+                          exchange, per CPU-second of the drafter's process) with the fleet's trust
+                          off / on: a last stage (a process, also the coordinator) streams
+                          debug-target samples at the default 64 MB/s cap to a first stage that
+                          trains the debug Eagle drafter on what it takes, and sends it a combined
+                          version every COMBINE_S. On: frame MACs, per-pod identities (signed
+                          handshakes, X25519 session keys), signed combined versions, the checks of
+                          sample values and weights; off: none of them (FleetConfig.trust, which
+                          exists for this only), interleaved in the same run. auth_overhead_ratio_wall:
+                          the same per second of wall time
 
 On 2 shared CPU cores the 4 target ranks and 4 drafters compete for the same cores, so the
 slowdown here is CPU contention, not what a GPU job sees (docs/benchmarks.md).
@@ -57,6 +61,7 @@ from spectrain_operator.local_layout import run_volume
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("combined", "single", "off")
 N_LAYERS, SEQ = 4, 128
+COMBINE_S = 2.0          # the jobs' combineEverySeconds: a combined version this often in the throughput runs
 
 
 def manifest(variant: str, steps: int) -> dict[str, Any]:
@@ -69,7 +74,7 @@ def manifest(variant: str, steps: int) -> dict[str, Any]:
     t["checkpoint"] |= {"everySteps": steps, "keep": 1}
     d = job["spec"]["drafter"]
     d["enabled"] = variant != "off"
-    d["exchange"] = {"enabled": variant == "combined", "combineEverySeconds": 2}
+    d["exchange"] = {"enabled": variant == "combined", "combineEverySeconds": COMBINE_S}
     job["metadata"]["name"] = f"fleet-{variant}"
     return job
 
@@ -131,35 +136,45 @@ def acceptance(data: Path, target: Any = None) -> tuple[float, float]:
     return float(measure(drafter, samples, None, k=4).acceptance_length), sampled_acceptance_rate(drafter, samples)
 
 
-def _sender(ports: list[int], key: bytes, mac: bool, stop: Any) -> None:
-    """The last stage's side, a process of its own: debug-target samples as fast as the cap lets them go."""
+def _sender(ports: list[int], key: bytes, trust: bool, private: bytes, peers: Any, stop: Any) -> None:
+    """The last stage's side and coordinator, a process of its own: debug-target samples as fast as
+    the cap lets them go, and a combined version (the drafter's weights) every COMBINE_S."""
     from spectrain_api.config import model_config
     from spectrain_workloads.drafter.fleet import Fleet
-    from spectrain_workloads.drafter.fleet_records import FleetConfig
+    from spectrain_workloads.drafter.fleet_records import Combined, FleetConfig
+    from spectrain_workloads.drafter.identity import PodIdentity
+    from spectrain_workloads.drafter.models import EagleDrafter
 
     torch.set_num_threads(1)
     cfg = model_config("debug", {"n_layers": N_LAYERS}, vocab_size=264)
     fleet = Fleet(FleetConfig(rank=1, world=2, pipeline=2, coordinator=1, addresses=[("127.0.0.1", p) for p in ports],
-                              key=key, job_uid="bench", mac=mac))
+                              key=key, pod=PodIdentity(private, peers), job_uid="bench", trust=trust))
+    torch.manual_seed(0)
+    params = {n: p.detach() for n, p in EagleDrafter(cfg).named_parameters() if p.requires_grad}
     tokens, hidden = torch.randint(0, cfg.vocab_size, (SEQ,)), torch.randn(SEQ, cfg.dim)
+    version, last = 0, time.monotonic()
     while not stop.is_set():
         fleet.share(tokens, hidden, step=0)
+        if time.monotonic() - last >= COMBINE_S:
+            version, last = version + 1, time.monotonic()
+            fleet._broadcast(Combined(version, params, {1: version}, 1.0), [0])   # what `combine` sends
         stop.wait(SEQ * (cfg.dim * 4 + 8) / 64e6)      # one sample's share of the default cap
     fleet.close()
 
 
-def _throughput(mac: bool, seconds: float) -> tuple[float, float]:
+def _throughput(trust: bool, seconds: float) -> tuple[float, float]:
     """(samples per second, per CPU-second of this process) the debug Eagle drafter (one CPU
     thread, as the sidecar's default) trains on from what a last stage sends it at the cap; the
     first batch (lazy initialisation) is not timed. Per CPU-second: the drafter's own cost (its
     training, reading and checking frames, their MACs), which other load on a shared machine
-    does not change."""
+    does not change. Combined versions are checked (trust on) and applied as they come."""
     import multiprocessing as mp
 
     from spectrain_api.config import model_config
     from spectrain_workloads.drafter.checks import TargetSpec
     from spectrain_workloads.drafter.fleet import Fleet
     from spectrain_workloads.drafter.fleet_records import FleetConfig
+    from spectrain_workloads.drafter.identity import PodIdentity, mint_local
     from spectrain_workloads.drafter.models import EagleDrafter, eagle_loss
 
     torch.set_num_threads(1)
@@ -169,19 +184,27 @@ def _throughput(mac: bool, seconds: float) -> tuple[float, float]:
     for s in socks:
         s.close()
     key = os.urandom(32)
+    private, peers = mint_local("bench", 0, 1, 2)
     fleet = Fleet(FleetConfig(rank=0, world=2, pipeline=2, coordinator=1, addresses=[("127.0.0.1", p) for p in ports],
-                              key=key, job_uid="bench", mac=mac))
+                              key=key, pod=PodIdentity(private[0], peers), job_uid="bench", trust=trust))
     torch.manual_seed(0)
     drafter = EagleDrafter(cfg)
-    fleet.expect(dict(drafter.named_parameters()), TargetSpec(cfg.vocab_size, cfg.dim, cfg.max_seq_len))
+    local = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
+    fleet.expect(local, TargetSpec(cfg.vocab_size, cfg.dim, cfg.max_seq_len))
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-3)
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
-    sender = ctx.Process(target=_sender, args=(ports, key, mac, stop), daemon=True)
+    sender = ctx.Process(target=_sender, args=(ports, key, trust, private[1], peers, stop), daemon=True)
     sender.start()
     trained, t0, c0 = 0, None, 0.0
     try:
         while t0 is None or time.monotonic() - t0 < seconds:
+            c = fleet.take_combined()
+            if c is not None and (not trust or fleet.accept_update(c.params, local)):
+                with torch.no_grad():
+                    for n, p in local.items():
+                        p.copy_(c.params[n])
+                fleet.stats.add(bench_versions_applied=1)
             got = fleet.take_samples(8)
             if not got:
                 time.sleep(0.001)            # nothing arrived yet: a bench loop, not the worker
@@ -196,6 +219,8 @@ def _throughput(mac: bool, seconds: float) -> tuple[float, float]:
                 t0, c0 = time.monotonic(), time.process_time()
             else:
                 trained += len(got)
+        applied, refused = fleet.stats.snapshot().get("bench_versions_applied", 0), fleet.stats.rejected()
+        print(f"    {applied} combined versions applied, refused: {refused or 'none'}", flush=True)
         return trained / (time.monotonic() - t0), trained / (time.process_time() - c0)
     finally:
         stop.set()
@@ -203,24 +228,24 @@ def _throughput(mac: bool, seconds: float) -> tuple[float, float]:
         fleet.close()
 
 
-def hmac_overhead(rounds: int, seconds: float) -> dict[str, Any]:
-    """Throughput with MACs off / with them on (medians of interleaved runs: on, off, off, on, ...),
+def auth_overhead(rounds: int, seconds: float) -> dict[str, Any]:
+    """Throughput with the fleet's trust off / on (medians of interleaved runs: on, off, off, on, ...),
     per CPU-second of the drafter (the key) and per second of wall time (noisy on a shared machine)."""
     got: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
     for i in range(rounds):
         for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
             got[mode].append(_throughput(mode == "on", seconds))
-            print(f"  hmac {mode}: {got[mode][-1][0]:.0f} samples/s, {got[mode][-1][1]:.0f} per CPU-second", flush=True)
+            print(f"  trust {mode}: {got[mode][-1][0]:.0f} samples/s, {got[mode][-1][1]:.0f} per CPU-second", flush=True)
     on_wall, on_cpu = (median([r[i] for r in got["on"]]) for i in (0, 1))
     off_wall, off_cpu = (median([r[i] for r in got["off"]]) for i in (0, 1))
-    return {"hmac_overhead_ratio": off_cpu / on_cpu, "hmac_overhead_ratio_wall": off_wall / on_wall,
-            "hmac_samples_per_cpu_s_on": on_cpu, "hmac_samples_per_cpu_s_off": off_cpu}
+    return {"auth_overhead_ratio": off_cpu / on_cpu, "auth_overhead_ratio_wall": off_wall / on_wall,
+            "auth_samples_per_cpu_s_on": on_cpu, "auth_samples_per_cpu_s_off": off_cpu}
 
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     steps, rounds = (40, 1) if args.quick else (120, 3)
-    hmac = hmac_overhead(2 if args.quick else 6, 5.0 if args.quick else 10.0)
+    auth = auth_overhead(2 if args.quick else 6, 5.0 if args.quick else 10.0)
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="spectrain-bench-fleet-") as tmp:
         for i in range(rounds):
@@ -249,7 +274,7 @@ def main() -> None:
         "samples_reached_combined": median(reached_comb),
         "samples_reached_single": median(reached_single),
         "step_ms_off": median([r["step_s"] for r in results["off"]]) * 1e3,
-        **hmac,
+        **auth,
         "rounds": rounds,
         "steps": steps,
         "step_ms_spread_off": statistics.pstdev([r["step_s"] for r in results["off"]]) * 1e3 if rounds > 1 else 0.0,
@@ -259,7 +284,7 @@ def main() -> None:
              "acceptance_combined_ge_single": keys["acceptance_combined"] >= keys["acceptance_single"],
              "alpha_t1_combined_ge_single": keys["alpha_t1_combined"] >= keys["alpha_t1_single"],
              "target_slowdown_ratio": keys["target_slowdown_ratio"] <= 1.03,
-             "hmac_overhead_ratio": keys["hmac_overhead_ratio"] <= 1.02}
+             "auth_overhead_ratio": keys["auth_overhead_ratio"] <= 1.02}
     print_table("bench-fleet (pipeline 2 x data 2, debug)", keys)
     print_table("goals met", goals)
     write_results("fleet", {**keys, "goals_met": goals}, args.quick)

@@ -3,8 +3,10 @@ over a small model, in a process of its own, for tests/integration/test_fleet_at
 
     python -m tests.integration.fleet_victim CONFIG_JSON
 
-CONFIG_JSON: rank, ports, key (hex), job_uid, status (path), and optionally nofile (RLIMIT_NOFILE)
-and spare_fds (descriptors left free after filling the table: the accept loop then runs out).
+CONFIG_JSON: rank, ports, key (hex), job_uid, identity (its pod's private key, hex), peers (peers.json's
+text), status (path), and optionally nofile (RLIMIT_NOFILE)
+and spare_fds (descriptors left free after filling the table, once a member's link to the coordinator
+(its hello) is up and holds its own: the accept loop then runs out).
 Every STATUS_EVERY_S it takes what arrived exactly as the worker does (samples, combined versions
 through Replicas.round) and writes its status: the Replicas summary, what it took and whether all
 of it was finite and in range, the model's finiteness, its peak RSS. SIGTERM ends it.
@@ -23,9 +25,11 @@ from typing import Any
 
 import torch
 
+from spectrain_api.fleet_identity import parse_peers
 from spectrain_workloads.drafter.checks import TargetSpec
 from spectrain_workloads.drafter.fleet import Fleet
 from spectrain_workloads.drafter.fleet_records import FleetConfig
+from spectrain_workloads.drafter.identity import PodIdentity
 from spectrain_workloads.drafter.replicas import Replicas
 
 WORLD, PIPELINE, COORDINATOR = 2, 2, 1
@@ -63,10 +67,14 @@ def main(cfg: dict[str, Any]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     fleet = Fleet(FleetConfig(rank=cfg["rank"], world=WORLD, pipeline=PIPELINE, coordinator=COORDINATOR,
                               addresses=[("127.0.0.1", p) for p in cfg["ports"]], key=bytes.fromhex(cfg["key"]),
+                              pod=PodIdentity(bytes.fromhex(cfg["identity"]), parse_peers(cfg["peers"], "peers")),
                               job_uid=cfg["job_uid"], combine_every_s=0.2, target=TARGET))
     m = model()
     replicas = Replicas(fleet, cfg["rank"], log=lambda *a, **k: None)
     replicas.start(m, 0, 0)
+    if "spare_fds" in cfg and cfg["rank"] != COORDINATOR:      # a fixed count: the hello's link holds its socket
+        while fleet.links[COORDINATOR].sock is None and not stop.wait(0.01):
+            pass
     held = _fill_descriptors(cfg["spare_fds"]) if "spare_fds" in cfg else []
     taken, bad, status = 0, 0, Path(cfg["status"])
     while not stop.wait(STATUS_EVERY_S):

@@ -20,6 +20,7 @@ import torch
 from spectrain_api.names import ENV_DRAFTER_STORE, ENV_FLEET_KEY_FILE, ENV_JOB_UID, ENV_RESTART_GENERATION
 from spectrain_workloads.drafter.export import load_drafter
 from spectrain_workloads.drafter.synthetic import SyntheticTarget
+from tests.fleet_ids import write_identities
 from tests.integration.drafter_procs import Pod
 from tests.integration.test_drafter_fleet import _drive as fleet_drive
 from tests.integration.test_drafter_fleet import _summary, _targets
@@ -37,6 +38,7 @@ def _pods(root: Path) -> list[Pod]:
     key = root / "fleet.key"
     key.write_text(os.urandom(32).hex() + "\n")
     key.chmod(0o600)                          # load_key refuses a key others can read
+    ids = write_identities(root, WORLD, "ring-test-uid")   # each pod's identity Secret
     target = {"nodes": WORLD, "parallelism": {"data": 2, "pipeline": PIPELINE, "microbatches": 2},
               "checkpoint": {"claimName": "run"}}      # the processes share one run directory
     drafter = {"activation": {"safetyMarginMs": 1}, "exchange": {"combineEverySeconds": 1, "engine": "AllReduce"}}
@@ -44,7 +46,8 @@ def _pods(root: Path) -> list[Pod]:
                 settings={"checkpoint_every_s": 1.0, "verify_every_s": 1.0, "samples_per_step": 4},
                 env={"RANK": str(r), "WORLD_SIZE": str(WORLD), "SPECTRAIN_DRAFTER_PEERS": peers,
                      "SPECTRAIN_DRAFTER_BIND": "127.0.0.1", ENV_DRAFTER_STORE: f"127.0.0.1:{ports[WORLD]}",
-                     ENV_FLEET_KEY_FILE: str(key), ENV_JOB_UID: "ring-test-uid", ENV_RESTART_GENERATION: "0"})
+                     ENV_FLEET_KEY_FILE: str(key), ENV_JOB_UID: "ring-test-uid", ENV_RESTART_GENERATION: "0",
+                     **ids[r]})
             for r in range(WORLD)]
 
 

@@ -27,13 +27,17 @@ import pytest
 import torch
 
 from spectrain_api import rundir
+from spectrain_api.fleet_identity import IDENTITY_ITEM, PEERS_ITEM
 from spectrain_api.names import (
     ANNOTATION_DRAFTER_DISABLED,
     ENV_DRAFTER_CONTROL,
+    ENV_FLEET_IDENTITY_FILE,
     ENV_FLEET_KEY_FILE,
+    ENV_FLEET_PEERS_FILE,
     ENV_JOB_UID,
 )
 from spectrain_operator.local_layout import free_port
+from tests.fleet_ids import write_identities
 from tests.integration.drafter_procs import REPO, read_jsonl
 from tests.launch import launch_local, node_ring_dir, stop, wait_all
 from tests.waiting import wait_for
@@ -66,7 +70,9 @@ def _drafter(root: Path, cfg: Path, node: int, peers: str, control: Path | None 
     if not key.exists():
         key.write_text(os.urandom(32).hex() + "\n")
         key.chmod(0o600)                     # load_key refuses a key others can read
-    env = {**({ENV_DRAFTER_CONTROL: str(control)} if control else {}), ENV_FLEET_KEY_FILE: str(key),
+        write_identities(root, 2, "drafter-target-test")     # each pod's identity Secret, one per node
+    ids = root / "identity" / str(node)
+    env = {ENV_FLEET_IDENTITY_FILE: str(ids / IDENTITY_ITEM), ENV_FLEET_PEERS_FILE: str(ids / PEERS_ITEM),**({ENV_DRAFTER_CONTROL: str(control)} if control else {}), ENV_FLEET_KEY_FILE: str(key),
            ENV_JOB_UID: "drafter-target-test", "SPECTRAIN_DRAFTER_PEERS": peers, "SPECTRAIN_DRAFTER_BIND": "127.0.0.1", **os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), os.environ.get("PYTHONPATH", "")]),
            "SPECTRAIN_CONFIG": str(cfg), "SPECTRAIN_RING_DIR": str(node_ring_dir(root / "ring", node, 2)),
            "SPECTRAIN_RUN_DIR": str(root), "SPECTRAIN_DEVICE": "cpu", "RANK": str(node), "WORLD_SIZE": "2",

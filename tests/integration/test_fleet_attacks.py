@@ -1,7 +1,7 @@
 """The fleet's listener under attack: a real drafter fleet side in a process of its own
 (tests/integration/fleet_victim.py: Fleet + Replicas over a small model), a real peer in this
-process, and an attacker speaking raw sockets on loopback (with the job's key, as a compromised
-drafter would, or without it). After every attack the victim is up, still takes the real peer's
+process, and an attacker speaking raw sockets on loopback (with the job's key and the real peer pod's
+identity, as a compromised drafter of that pod would, or without them). After every attack the victim is up, still takes the real peer's
 frames, and everything it took or made is finite; what was refused is counted by cause.
 """
 
@@ -20,11 +20,14 @@ from typing import Any
 import pytest
 import torch
 
+from spectrain_api.fleet_identity import peers_document
 from spectrain_workloads.drafter import auth
 from spectrain_workloads.drafter.auth import Identity, Session, client_handshake
 from spectrain_workloads.drafter.fleet import Fleet
 from spectrain_workloads.drafter.fleet_records import FleetConfig, pack_params
+from spectrain_workloads.drafter.identity import version_digest
 from spectrain_workloads.drafter.listener import FRAME_STALL_S
+from tests.fleet_ids import pod_identities
 from tests.integration.fleet_victim import COORDINATOR, PIPELINE, TARGET, WORLD, model
 from tests.launch import free_ports
 from tests.waiting import wait_for
@@ -33,6 +36,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 KEY, UID = os.urandom(32), "job-uid-1"
+PODS = pod_identities(WORLD, UID)         # one rank per pod; the attacker holds its peer pod's identity
 TIMEOUT = 60
 
 
@@ -41,14 +45,16 @@ class Victim:
         self.ports = free_ports(WORLD)
         self.rank, self.status_path = rank, tmp / f"victim-{rank}.json"
         self.log = open(tmp / f"victim-{rank}.log", "wb")
+        peers = peers_document(UID, 0, 1, [p.public for p in PODS])
         cfg = {"rank": rank, "ports": self.ports, "key": KEY.hex(), "job_uid": UID, "status": str(self.status_path),
-               **extra}
+               "identity": PODS[rank].private.hex(), "peers": peers, **extra}
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "workloads"), str(REPO)])}
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.integration.fleet_victim", json.dumps(cfg)],
                                      cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         # the real peer: the other rank of the job, in this process
         self.peer = Fleet(FleetConfig(rank=1 - rank, world=WORLD, pipeline=PIPELINE, coordinator=COORDINATOR,
-                                      addresses=[("127.0.0.1", p) for p in self.ports], key=KEY, job_uid=UID,
+                                      addresses=[("127.0.0.1", p) for p in self.ports], key=KEY,
+                                      pod=PODS[1 - rank], job_uid=UID,
                                       combine_every_s=0.2))
         self.peer.expect(dict(model().named_parameters()), TARGET)
         wait_for(lambda: self.status_path.exists(), TIMEOUT, what="the victim's first status")
@@ -111,12 +117,18 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Victim]:
 
 # ------------------------------------------------------------ the attacker
 def connect(v: Victim, *, rank: int | None = None, key: bytes = KEY, uid: str = UID) -> tuple[socket.socket, Session]:
-    """An authenticated connection to the victim, as `rank` (default: its real peer's)."""
+    """An authenticated connection to the victim, as `rank` (default: its real peer's), with the peer
+    pod's identity (a compromised drafter of that pod)."""
     s = socket.create_connection(("127.0.0.1", v.port), timeout=10)
-    return s, client_handshake(s, Identity(key, uid, 0), 1 - v.rank if rank is None else rank, v.rank)
+    pod = PODS[1 - v.rank] if uid == UID else pod_identities(WORLD, uid)[1 - v.rank]
+    return s, client_handshake(s, Identity(key, uid, 0, pod), 1 - v.rank if rank is None else rank, v.rank)
 
 
 def frame(session: Session, kind: str, header: dict[str, Any], payload: bytes = b"") -> bytes:
+    """A sealed frame; a combined version signed by the sender's own pod (as its real drafter would)."""
+    if kind == "combined" and isinstance(header.get("version"), int):
+        digest = version_digest(UID, 0, header["version"], payload)
+        header = {**header, "signature": PODS[session.rank].sign(digest).hex()}
     head, tag = session.seal(kind, json.dumps(header).encode(), payload)
     return head + payload + tag
 
@@ -273,7 +285,7 @@ def test_a_hello_flood_costs_one_weights_frame_per_version(coordinator: Victim) 
 
 # ------------------------------------------------------------ descriptors
 def test_100_idle_connections_under_a_64_descriptor_limit(tmp_path: Path) -> None:
-    v = Victim(tmp_path, 0, nofile=64, spare_fds=3)
+    v = Victim(tmp_path, 0, nofile=64, spare_fds=2)     # the pending budget (2) fills them: the next accept fails
     try:
         wait_for(lambda: v.status()["held"] > 0, TIMEOUT, what="the victim's descriptor table filled")
         idle = [socket.create_connection(("127.0.0.1", v.port), timeout=10) for _ in range(100)]

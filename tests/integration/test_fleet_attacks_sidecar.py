@@ -1,6 +1,6 @@
 """The real drafter sidecars under attack: two sidecars (pipeline 2: rank 1 the last stage and the
-exporting coordinator) next to synthetic targets, and an attacker holding the job's key (a
-compromised drafter) sending them NaN and out-of-range samples, forged combined versions (a huge
+exporting coordinator) next to synthetic targets, and an attacker holding the job's key and a pod's
+identity (a compromised drafter: rank 1's pod towards rank 0, rank 0's towards the coordinator) sending them NaN and out-of-range samples, forged combined versions (a huge
 norm, version 2^62) and forged contributions (huge norm, 1e30 s of work, foreign tensors).
 Both sidecars stay up, rounds go on, everything refused is counted, and the export is finite.
 """
@@ -20,10 +20,13 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from spectrain_api.errors import ConfigError
+from spectrain_api.fleet_identity import IDENTITY_ITEM, PEERS_ITEM, load_identity, load_peers
 from spectrain_api.names import ENV_FLEET_KEY_FILE, ENV_JOB_UID, ENV_METRICS_PORT, ENV_RESTART_GENERATION
 from spectrain_workloads.drafter.auth import Identity, client_handshake
 from spectrain_workloads.drafter.export import load_drafter
 from spectrain_workloads.drafter.fleet_records import pack_params
+from spectrain_workloads.drafter.identity import PodIdentity, version_digest
+from tests.fleet_ids import write_identities
 from tests.integration.drafter_procs import TARGET_CFG, Pod
 from tests.integration.test_drafter_fleet import _drive, _summary, _targets
 from tests.launch import free_ports
@@ -36,6 +39,7 @@ WORLD, COORDINATOR, UID = 2, 1, "attacked-job"
 def _pods(root: Path, key: bytes, ports: list[int], metrics_ports: list[int]) -> list[Pod]:
     (root / "fleet.key").write_text(key.hex())
     (root / "fleet.key").chmod(0o600)         # load_key refuses a key others can read
+    ids = write_identities(root, WORLD, UID)
     target = {"nodes": WORLD, "parallelism": {"data": 1, "pipeline": 2, "microbatches": 2},
               "checkpoint": {"claimName": "run"}}
     drafter = {"activation": {"safetyMarginMs": 1}, "exchange": {"combineEverySeconds": 1}}
@@ -44,7 +48,7 @@ def _pods(root: Path, key: bytes, ports: list[int], metrics_ports: list[int]) ->
                 env={"RANK": str(r), "WORLD_SIZE": str(WORLD), "SPECTRAIN_DRAFTER_PEERS":
                      ",".join(f"127.0.0.1:{p}" for p in ports), "SPECTRAIN_DRAFTER_BIND": "127.0.0.1",
                      ENV_FLEET_KEY_FILE: str(root / "fleet.key"), ENV_JOB_UID: UID, ENV_RESTART_GENERATION: "0",
-                     ENV_METRICS_PORT: str(metrics_ports[r])})
+                     ENV_METRICS_PORT: str(metrics_ports[r]), **ids[r]})
             for r in range(WORLD)]
 
 
@@ -55,10 +59,17 @@ def _rejected_metric(port: int) -> dict[str, float]:
             if s.name == "spectrain_drafter_exchange_rejected_total"}
 
 
-def _send(port: int, key: bytes, rank: int, to: int, frames: list[tuple[str, dict[str, Any], bytes]]) -> None:
+def _send(root: Path, port: int, key: bytes, rank: int, to: int,
+          frames: list[tuple[str, dict[str, Any], bytes]]) -> None:
+    """Frames to rank `to` as `rank`, with its pod's identity (read from its files, as its drafter
+    does); a combined version signed with it."""
+    ids = root / "identity" / str(rank)
+    pod = PodIdentity(load_identity(ids / IDENTITY_ITEM), load_peers(ids / PEERS_ITEM, UID, 0))
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        session = client_handshake(s, Identity(key, UID, 0), rank, to)
+        session = client_handshake(s, Identity(key, UID, 0, pod), rank, to)
         for kind, header, payload in frames:
+            if kind == "combined":
+                header = {**header, "signature": pod.sign(version_digest(UID, 0, header["version"], payload)).hex()}
             head, tag = session.seal(kind, json.dumps(header).encode(), payload)
             s.sendall(head + payload + tag)
 
@@ -99,7 +110,7 @@ def test_sidecars_under_attack_stay_up_and_export_finite(tmp_path: Path) -> None
         far = _sample(torch.arange(T) + V, torch.randn(T, H))
         huge = pack_params({n: p * 1e6 for n, p in own.items()})
         base = {"included": {"0": 1}, "work_s": 1.0}
-        _send(ports[0], key, 1, 0, [nan] * 40 + [far] * 10 + [
+        _send(tmp_path, ports[0], key, 1, 0, [nan] * 40 + [far] * 10 + [
             ("combined", {**base, "version": 1 << 62}, huge),
         ] + [  # some within the few versions ahead a member takes (its summary lags): refused on apply, for the norm
             ("combined", {**base, "version": _summary(pods[0], 0).get("combinedVersion", 0) + k}, huge)
@@ -113,13 +124,13 @@ def test_sidecars_under_attack_stay_up_and_export_finite(tmp_path: Path) -> None
 
             def refused(cause: str) -> int:
                 return int(_summary(coord, COORDINATOR).get("exchangeRejectedByCause", {}).get(cause, 0))
-            _send(ports[COORDINATOR], key, 0, COORDINATOR, [
+            _send(tmp_path, ports[COORDINATOR], key, 0, COORDINATOR, [
                 ("contrib", {**contrib, "work_total_s": 1.0}, huge),
                 ("contrib", {**contrib, "work_total_s": 1.0}, pack_params({"other": torch.zeros(2)}))])
             _drive(targets, pods[1:], lambda: refused("update_norm") >= 1 and refused("keys") >= 1,
                    "the huge and the foreign contribution refused")
             work0 = _summary(coord, COORDINATOR)["exportWorkSecondsByRank"].get("0", 0.0)
-            _send(ports[COORDINATOR], key, 0, COORDINATOR, [("contrib", {**contrib, "work_total_s": 1e30},
+            _send(tmp_path, ports[COORDINATOR], key, 0, COORDINATOR, [("contrib", {**contrib, "work_total_s": 1e30},
                                                                pack_params(own))])
             _drive(targets, pods[1:], lambda: _summary(coord, COORDINATOR)["exportWorkSecondsByRank"].get("0", 0.0)
                    > work0, "the forged work in a round")

@@ -30,6 +30,7 @@ from spectrain_workloads.drafter.synthetic import (
     target_hidden,
     text_sequences,
 )
+from tests.fleet_ids import write_identities
 from tests.integration.drafter_procs import REPO, Pod, synthetic_target
 from tests.launch import free_ports
 from tests.waiting import wait_for
@@ -48,6 +49,8 @@ class Job:
     def __init__(self, root: Path, name: str) -> None:
         self.ports = free_ports(WORLD)
         (root / f"{name}.key").write_text(os.urandom(32).hex())
+        (root / f"{name}.key").chmod(0o600)   # load_key refuses a key others can read
+        ids = write_identities(root / name, WORLD, f"uid-{name}")     # each pod's identity Secret
         target = {"nodes": WORLD, "parallelism": {"data": 1, "pipeline": PIPELINE, "microbatches": 2},
                   "checkpoint": {"claimName": "run"}}
         drafter = {"activation": {"safetyMarginMs": 1}, "exchange": {"combineEverySeconds": 1}}
@@ -58,7 +61,7 @@ class Job:
                          env={"RANK": str(r), "WORLD_SIZE": str(WORLD), "SPECTRAIN_DRAFTER_BIND": "127.0.0.1",
                               "SPECTRAIN_DRAFTER_PEERS": ",".join(f"127.0.0.1:{p}" for p in self.ports),
                               ENV_FLEET_KEY_FILE: str(root / f"{name}.key"), ENV_JOB_UID: f"uid-{name}",
-                              ENV_RESTART_GENERATION: "0"})
+                              ENV_RESTART_GENERATION: "0", **ids[r]})
                      for r in range(WORLD)]
         spec = [SyntheticSpec(windows=[WindowSpec(kind="Bubble", duration_ms=60.0)], compute_ms=1.0,
                               data_per_step=2 if r == PIPELINE - 1 else 0, seq_len=64, seed=0) for r in range(WORLD)]

@@ -79,7 +79,7 @@ def test_pod_layout_target_and_native_sidecar_drafter() -> None:
     assert {m["mountPath"]: m["name"] for m in target["volumeMounts"]} == shared
     assert {m["mountPath"]: m["name"] for m in drafter["volumeMounts"]} == {
         **shared, "/var/run/spectrain/run/drafter": "run", "/etc/spectrain/podinfo": "podinfo",
-        "/etc/spectrain/fleet-key": "fleet-key"}
+        "/etc/spectrain/fleet-key": "fleet-key", "/etc/spectrain/fleet-identity": "fleet-identity"}
     assert p["metadata"]["labels"][builders.LABEL_NODE] == "1"
     assert p["metadata"]["labels"][builders.LABEL_GENERATION] == "0"
 
@@ -335,23 +335,31 @@ def test_only_the_drafter_gets_the_key_identity_and_control_file() -> None:
     (drafter,) = p["spec"]["initContainers"]
     vols = {v["name"]: v for v in p["spec"]["volumes"]}
     assert vols["fleet-key"] == {"name": "fleet-key", "secret": {"secretName": "demo-fleet-key", "defaultMode": 0o400}}
+    # the pod's own identity of its restart generation: node 1, generation 3
+    assert vols["fleet-identity"] == {"name": "fleet-identity", "secret": {"secretName": "demo-fleet-id-3-1",
+                                                                          "defaultMode": 0o400}}
+    assert objects.fleet_identity_name(j, 1, 3) == "demo-fleet-id-3-1"
     assert vols["podinfo"] == {"name": "podinfo", "downwardAPI": {"items": [
         {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}}]}}
     mounts = {m["name"]: m for m in drafter["volumeMounts"]}
     assert mounts["fleet-key"] == {"name": "fleet-key", "mountPath": "/etc/spectrain/fleet-key", "readOnly": True}
     assert mounts["podinfo"] == {"name": "podinfo", "mountPath": "/etc/spectrain/podinfo", "readOnly": True}
+    assert mounts["fleet-identity"] == {"name": "fleet-identity", "mountPath": "/etc/spectrain/fleet-identity",
+                                        "readOnly": True}
     env = env_of(drafter)
+    assert env[names.ENV_FLEET_IDENTITY_FILE] == "/etc/spectrain/fleet-identity/identity.key"
+    assert env[names.ENV_FLEET_PEERS_FILE] == "/etc/spectrain/fleet-identity/peers.json"
     assert env[names.ENV_FLEET_KEY_FILE] == "/etc/spectrain/fleet-key/key"
     assert env[names.ENV_JOB_UID] == "u-1" and env[names.ENV_RESTART_GENERATION] == "3"
     assert env[names.ENV_POD_IPS] == {"fieldRef": {"fieldPath": "status.podIPs"}}
     assert env[names.ENV_DRAFTER_CONTROL] == "/etc/spectrain/podinfo/annotations"
     # the target: none of it
-    assert {"fleet-key", "podinfo"}.isdisjoint(m["name"] for m in target["volumeMounts"])
-    assert not {names.ENV_FLEET_KEY_FILE, names.ENV_JOB_UID, names.ENV_POD_IPS,
+    assert {"fleet-key", "fleet-identity", "podinfo"}.isdisjoint(m["name"] for m in target["volumeMounts"])
+    assert not {names.ENV_FLEET_KEY_FILE, names.ENV_FLEET_IDENTITY_FILE, names.ENV_FLEET_PEERS_FILE, names.ENV_JOB_UID, names.ENV_POD_IPS,
                 names.ENV_DRAFTER_CONTROL, names.ENV_RESTART_GENERATION} & set(env_of(target))
     # no drafter: no key volume at all
     off, _ = builders.pod(j, 1, drafter_disabled=True)
-    assert {"fleet-key", "podinfo"}.isdisjoint(v["name"] for v in off["spec"]["volumes"])
+    assert {"fleet-key", "fleet-identity", "podinfo"}.isdisjoint(v["name"] for v in off["spec"]["volumes"])
 
 
 def test_drafter_disabled_in_place_keeps_the_sidecar_and_annotates_the_pod() -> None:

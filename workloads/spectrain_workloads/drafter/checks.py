@@ -89,11 +89,12 @@ def field(header: Mapping[str, Any], name: str, kind: Any, *, low: float | None 
     return v
 
 
-def sample_arrays(header: Mapping[str, Any], payload: bytes | bytearray,
-                  spec: TargetSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample_arrays(header: Mapping[str, Any], payload: bytes | bytearray, spec: TargetSpec, *,
+                  values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens [T] int64, hidden [T, w * H] or None) of a sample frame, its layout checked against
-    the target's before anything is cut out of the payload."""
-    return _arrays(header, payload, spec, spec.width, hidden_optional=True)
+    the target's before anything is cut out of the payload, then its values (`check_sample`; values
+    False: bench-fleet's measure of their cost only)."""
+    return _arrays(header, payload, spec, spec.width, hidden_optional=True, values=values)
 
 
 def part_arrays(header: Mapping[str, Any], payload: bytes | bytearray, spec: TargetSpec,
@@ -110,7 +111,7 @@ def part_arrays(header: Mapping[str, Any], payload: bytes | bytearray, spec: Tar
 
 
 def _arrays(header: Mapping[str, Any], payload: bytes | bytearray, spec: TargetSpec, width: int, *,
-            hidden_optional: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+            hidden_optional: bool, values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     shapes, dtypes = header.get("shapes"), header.get("dtypes")
     counts = (1, 2) if hidden_optional else (2,)
     if not isinstance(shapes, list) or not isinstance(dtypes, list) or len(shapes) != len(dtypes) \
@@ -138,7 +139,8 @@ def _arrays(header: Mapping[str, Any], payload: bytes | bytearray, spec: TargetS
     hidden = None
     if len(shapes) == 2:
         hidden = torch.frombuffer(buf, dtype=SAMPLE_DTYPES[dtypes[1]], offset=sizes[0]).reshape(T, W)
-    check_sample(tokens, hidden, spec)
+    if values:
+        check_sample(tokens, hidden, spec)
     return tokens, hidden
 
 

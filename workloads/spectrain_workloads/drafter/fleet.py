@@ -18,11 +18,12 @@ Engine AllReduce (spec.drafter.exchange.engine): the weights go through drafter.
 (drafter.ring_replicas); this fleet then carries samples only, and neither sends nor takes the
 star's weight frames (contrib, combined, hello).
 
-Trust: every connection is authenticated with the job's key (drafter.auth) and everything received
-is checked before use (drafter.checks): samples against the target (`expect`), weights against the
-local model, claimed work against wall time, a combined version only from the coordinator and at
-most a few versions ahead (further only as the answer to this drafter's own hello). A rejected
-item is dropped and counted by cause (`stats.rejected()`); a bad frame never ends a thread.
+Trust: every connection is authenticated with the job's key and the pod's own identity (drafter.auth:
+a peer speaks only as its own pod's ranks) and everything received is checked before use
+(drafter.checks): samples against the target (`expect`), weights against the local model, claimed
+work against wall time, a combined version only from the coordinator, signed by the coordinator's
+pod, and at most a few versions ahead (further only as the answer to this drafter's own hello). A
+rejected item is dropped and counted by cause (`stats.rejected()`); a bad frame never ends a thread.
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ class _Inbox:
 class Fleet(StarWeights):
     def __init__(self, cfg: FleetConfig) -> None:
         self.cfg = cfg
-        self.ident = Identity(cfg.key if cfg.mac else None, cfg.job_uid, cfg.generation)
+        self.ident = Identity(cfg.key if cfg.trust else None, cfg.job_uid, cfg.generation, cfg.pod if cfg.trust else None)
+        if self.ident.pod is not None:
+            self.ident.pod.check_rank(cfg.rank)
         self.stats = Stats()
         self.bucket = TokenBucket(cfg.bandwidth_bytes_per_s, max(cfg.bandwidth_bytes_per_s * 0.25, 1 << 16))
         self.lock = threading.Lock()
@@ -229,7 +232,7 @@ class Fleet(StarWeights):
             return []
 
         def parse(f: Frame, rank: int) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
-            tokens, hidden = checks.sample_arrays(f.header, f.payload, target)
+            tokens, hidden = checks.sample_arrays(f.header, f.payload, target, values=self.cfg.trust)
             return tokens, hidden, checks.field(f.header, "step", int), rank
         return self._take(self.inbox, limit, parse)
 

@@ -15,6 +15,7 @@ from spectrain_api.errors import ConfigError
 from spectrain_api.names import ENV_DRAFTER_PEERS, ENV_DRAFTER_STORE
 from spectrain_workloads.drafter import checks
 from spectrain_workloads.drafter.admission import RTT_BOUND_S, Limits
+from spectrain_workloads.drafter.identity import PodIdentity
 
 # engine AllReduce: the drafters' TCPStore as host:port (tests, local runs); default `store_address`
 
@@ -90,6 +91,7 @@ class FleetConfig:
     coordinator: int
     addresses: list[tuple[str, int]]
     key: bytes                        # the job's key (auth.load_key); 32 bytes
+    pod: PodIdentity | None = None    # this pod's identity (needed unless `trust` is False)
     job_uid: str = ""
     generation: int = 0
     bind_hosts: list[str] = field(default_factory=lambda: ["127.0.0.1"])   # the pod's IPs (sidecar._fleet)
@@ -102,7 +104,9 @@ class FleetConfig:
     rtt_bound_s: float = RTT_BOUND_S  # declared round trip (drafter.admission: the handshake's deadlines)
     target: checks.TargetSpec | None = None                      # default: read from run_dir at `expect`
     run_dir: str | None = None
-    mac: bool = True                  # False: bench-fleet's measurement of the MACs' cost only
+    # False: no MACs, identities, signed versions, nor checks of received samples' values and weights:
+    # bench-fleet's measure of their cost only (a separate protocol: never talks to a trusting drafter)
+    trust: bool = True
     engine: str = "Star"              # names.EXCHANGE_ENGINES: AllReduce sends no weights through the star
     store: tuple[str, int] | None = None   # AllReduce: the drafters' TCPStore (`store_address`)
 

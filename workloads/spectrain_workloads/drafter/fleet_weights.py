@@ -12,9 +12,11 @@ after its contribution left:
 or restarts says hello and gets the latest combined version. A missing peer costs nothing: the
 round goes on with whoever contributed, and the peer is taken back when it sends again.
 
-Every weights frame is checked before use (drafter.checks): the parameters against the local
-model's table, an update no larger than checks.UPDATE_NORM_FACTOR allows, claimed work against wall
-time (`_new_work`), a combined version only from the coordinator and at most a few versions ahead,
+Every weights frame is checked before use (drafter.checks): a combined version's signature by the
+exporting rank's pod (`_signed`: over the job, generation, version and the payload's sha256, so it
+holds whatever connection carried the version), the parameters against the local model's table, an
+update no larger than checks.UPDATE_NORM_FACTOR allows, claimed work against wall time
+(`_new_work`), a combined version only from the coordinator and at most a few versions ahead,
 further only as the answer to this drafter's own hello (its nonce). With engine AllReduce none of
 this runs: the weights go through drafter.allreduce (drafter.ring_replicas).
 """
@@ -32,7 +34,7 @@ import torch
 
 from spectrain_api.names import STAR
 from spectrain_workloads.drafter import checks, robust_combine
-from spectrain_workloads.drafter.auth import Session
+from spectrain_workloads.drafter.auth import Identity, Session
 from spectrain_workloads.drafter.fleet_records import (
     Combined,
     Contribution,
@@ -41,6 +43,7 @@ from spectrain_workloads.drafter.fleet_records import (
     pack_params,
     unpack_params,
 )
+from spectrain_workloads.drafter.identity import SIG_BYTES, version_digest
 from spectrain_workloads.drafter.links import Frame, Link, Rejected, Stats
 
 WORK_SLACK_S = 2.0               # + one round: a contribution may lag the work it holds by a round (queues)
@@ -52,6 +55,7 @@ class StarWeights:
     """The fleet's weight exchange (a part of drafter.fleet.Fleet, which sets these attributes)."""
 
     cfg: FleetConfig
+    ident: Identity
     stats: Stats
     lock: threading.Lock
     contributed: threading.Condition                  # notified on every contribution
@@ -188,14 +192,41 @@ class StarWeights:
     def _broadcast(self, c: Combined, ranks: Any, reply: str | None = None) -> None:
         if not self.star:
             return
-        header = {"version": c.version, "included": {str(r): s for r, s in c.included.items()}, "work_s": c.work_s}
-        frame = Frame("combined", header if reply is None else {**header, "reply": reply}, pack_params(c.params))
+        payload = pack_params(c.params)
+        header = {"version": c.version, "included": {str(r): s for r, s in c.included.items()}, "work_s": c.work_s,
+                  **self._signature(c.version, payload)}
+        frame = Frame("combined", header if reply is None else {**header, "reply": reply}, payload)
         for r in ranks:
             if r != self.cfg.rank:
                 # not recorded in `answered`: a round's broadcast is no answer to a hello (a
                 # restarted member refuses a version far ahead of its own unless it answers its hello)
                 self._link(r).send(frame, droppable=False, latest_only=True)
                 self.stats.add(weight_frames_sent=1)
+
+    def _signature(self, version: int, payload: bytes) -> dict[str, str]:
+        """The exporting rank's signature of a combined version, a header field (none in the MAC-less
+        bench mode): one Ed25519 signature and one sha256 of the payload per version."""
+        pod = self.ident.pod
+        if pod is None:
+            return {}
+        return {"signature": pod.sign(version_digest(self.cfg.job_uid, self.cfg.generation, version, payload)).hex()}
+
+    def _signed(self, header: Mapping[str, Any], version: int, payload: bytes | bytearray) -> None:
+        """A combined version signed by the exporting rank's pod, else Rejected "signature" (before its
+        payload is parsed)."""
+        pod = self.ident.pod
+        if pod is None:
+            return
+        sig = header.get("signature")
+        if not isinstance(sig, str) or len(sig) != 2 * SIG_BYTES:
+            raise Rejected("signature", "no signature of the exporting rank")
+        try:
+            raw = bytes.fromhex(sig)
+        except ValueError:
+            raise Rejected("signature", "the signature is not hex") from None
+        if not pod.verify(self.cfg.coordinator, raw, version_digest(self.cfg.job_uid, self.cfg.generation, version,
+                                                                    payload)):
+            raise Rejected("signature", f"not signed by the pod of the exporting rank {self.cfg.coordinator}")
 
     def take_combined(self) -> Combined | None:
         with self.lock:
@@ -208,7 +239,8 @@ class StarWeights:
             params = unpack_params(bytes(f.payload))
         except Exception:           # safetensors' own parser refused it
             raise Rejected("malformed", "weights are not safetensors") from None
-        checks.check_weights(params, self.table)
+        if self.cfg.trust:
+            checks.check_weights(params, self.table)
         return params
 
     def _on_contrib(self, f: Frame, peer: Session) -> None:
@@ -231,7 +263,9 @@ class StarWeights:
         included = h.get("included")
         if not isinstance(included, dict) or not all(isinstance(s, int) and str(r).isdigit() for r, s in included.items()):
             raise Rejected("header", "included is not rank -> seq")
-        c = Combined(checks.field(h, "version", int, low=1), self._weights(f), {int(r): s for r, s in included.items()},
+        version = checks.field(h, "version", int, low=1)
+        self._signed(h, version, f.payload)
+        c = Combined(version, self._weights(f), {int(r): s for r, s in included.items()},
                      checks.field(h, "work_s", float, low=0.0))
         with self.lock:
             if not checks.version_ok(c.version, self.newest, reply=h.get("reply") in self.hello_nonces):

@@ -215,13 +215,17 @@ def idle_disabled(run_dir: Path, rank: int, settings: Any, stop: Any, prometheus
 def _fleet(cfg: Any, rank: int, world: int, export_rank: int) -> Any:
     """The exchange with the job's other drafters (drafter.fleet); None alone or when turned off.
     It listens on the pod's own addresses (ENV_POD_IPS, one socket per family; ENV_DRAFTER_BIND overrides,
-    comma-separated), never on every interface, and authenticates with the job's key."""
+    comma-separated), never on every interface, and authenticates with the job's key and its pod's own
+    identity (ENV_FLEET_IDENTITY_FILE, and every pod's public key in ENV_FLEET_PEERS_FILE)."""
+    from spectrain_api.fleet_identity import load_identity, load_peers
     from spectrain_api.names import (
         ALLREDUCE,
         ENV_DRAFTER_BIND,
         ENV_DRAFTER_PEERS,
         ENV_DRAFTER_STORE,
+        ENV_FLEET_IDENTITY_FILE,
         ENV_FLEET_KEY_FILE,
+        ENV_FLEET_PEERS_FILE,
         ENV_JOB_UID,
         ENV_POD_IPS,
         ENV_RESTART_GENERATION,
@@ -229,6 +233,7 @@ def _fleet(cfg: Any, rank: int, world: int, export_rank: int) -> Any:
     from spectrain_workloads.drafter.auth import load_key
     from spectrain_workloads.drafter.fleet import Fleet
     from spectrain_workloads.drafter.fleet_records import FleetConfig, parse_peers, parse_store, store_address
+    from spectrain_workloads.drafter.identity import PodIdentity
 
     ex = cfg.drafter.exchange
     peers = os.environ.get(ENV_DRAFTER_PEERS, "")
@@ -244,11 +249,18 @@ def _fleet(cfg: Any, rank: int, world: int, export_rank: int) -> Any:
     if ex.engine == ALLREDUCE:    # the weights through the ring, on the store the exporting rank's drafter hosts
         override = os.environ.get(ENV_DRAFTER_STORE, "")
         store = parse_store(override) if override else store_address(addresses, export_rank, local_world)
+    job_uid, generation = os.environ.get(ENV_JOB_UID, ""), _env_int(ENV_RESTART_GENERATION, 0)
+    key = load_key(os.environ.get(ENV_FLEET_KEY_FILE))
+    pod = PodIdentity(load_identity(os.environ.get(ENV_FLEET_IDENTITY_FILE)),
+                      load_peers(os.environ.get(ENV_FLEET_PEERS_FILE), job_uid, generation))
+    if pod.peers.world != world:
+        raise ConfigError(f"{ENV_FLEET_PEERS_FILE} lists {len(pod.peers.public_keys)} pods x "
+                          f"{pod.peers.local_world} local ranks, but WORLD_SIZE is {world}: mount this job's "
+                          "fleet-identity Secret of this restart generation")
     return Fleet(FleetConfig(
         rank=rank, world=world, pipeline=cfg.target.parallelism.pipeline, coordinator=export_rank,
-        addresses=addresses, engine=ex.engine, store=store,
-        key=load_key(os.environ.get(ENV_FLEET_KEY_FILE)), job_uid=os.environ.get(ENV_JOB_UID, ""),
-        generation=_env_int(ENV_RESTART_GENERATION, 0), bind_hosts=binds,
+        addresses=addresses, engine=ex.engine, store=store, key=key, pod=pod, job_uid=job_uid,
+        generation=generation, bind_hosts=binds,
         bandwidth_bytes_per_s=ex.bandwidth_m_bps * 1e6, combine_every_s=ex.combine_every_seconds,
         run_dir=os.environ.get(ENV_RUN_DIR)))
 

@@ -20,6 +20,7 @@ from spectrain_workloads.drafter.fleet_records import Combined, FleetConfig, par
 from spectrain_workloads.drafter.links import Frame, Link, Stats, TokenBucket
 from spectrain_workloads.drafter.listener import Server
 from spectrain_workloads.drafter.replicas import ModelSync
+from tests.fleet_ids import pod_identities
 from tests.launch import free_ports
 from tests.waiting import wait_for
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.unit
 
 
 KEY = os.urandom(32)
+PODS = pod_identities(4, "job")              # one rank per pod
 TARGET = TargetSpec(vocab=1000, hidden=4, max_tokens=64)
 WEIGHTS = {"weight": torch.zeros(1, 2)}
 
@@ -60,14 +62,14 @@ def test_parse_peers() -> None:
 
 
 def test_bandwidth_cap_holds_and_a_full_queue_drops() -> None:
-    recv, stats, ident = Collect(), Stats(), Identity(KEY, "job", 0)
+    recv, stats = Collect(), Stats()
     got = recv.got
     port = free_ports(1)[0]
-    server = Server([("127.0.0.1", port)], recv, stats, ident=ident, rank=1, world=2,
+    server = Server([("127.0.0.1", port)], recv, stats, ident=Identity(KEY, "job", 0, PODS[1]), rank=1, world=2,
                     limits=Limits.for_job(world=2, ranks_per_host=2, combine_every_s=10.0))
     rate = 2e6                                    # 2 MB/s, bursts of 0.25 s
     link = Link(("127.0.0.1", port), TokenBucket(rate, rate * 0.25), max_queue_bytes=3 << 20, stats=stats,
-                ident=ident, rank=0, peer_rank=1, handshake_s=1.0)
+                ident=Identity(KEY, "job", 0, PODS[0]), rank=0, peer_rank=1, handshake_s=1.0)
     payload = b"x" * 400_000
     t0 = time.monotonic()
     sent = sum(link.send(Frame("sample", {}, payload)) for _ in range(20))
@@ -83,7 +85,7 @@ def test_bandwidth_cap_holds_and_a_full_queue_drops() -> None:
 def _fleet(rank: int, ports: list[int], *, pipeline: int, coordinator: int, **kw: Any) -> Fleet:
     """A fleet member on loopback that expects TARGET's samples and WEIGHTS' table."""
     f = Fleet(FleetConfig(rank=rank, world=len(ports), pipeline=pipeline, coordinator=coordinator,
-                          addresses=[("127.0.0.1", p) for p in ports], key=KEY, job_uid="job", **kw))
+                          addresses=[("127.0.0.1", p) for p in ports], key=KEY, pod=PODS[rank], job_uid="job", **kw))
     f.expect(WEIGHTS, TARGET)
     return f
 
@@ -115,7 +117,7 @@ def test_samples_sent_before_a_drafter_is_ready_wait_for_it_and_are_checked_then
     ports = free_ports(2)             # pipeline 2: rank 1 (last stage) shares with rank 0
     sender = _fleet(1, ports, pipeline=2, coordinator=1)
     late = Fleet(FleetConfig(rank=0, world=2, pipeline=2, coordinator=1,
-                             addresses=[("127.0.0.1", p) for p in ports], key=KEY, job_uid="job"))
+                             addresses=[("127.0.0.1", p) for p in ports], key=KEY, pod=PODS[0], job_uid="job"))
     try:
         tokens, hidden = torch.arange(8), torch.ones(8, 4, dtype=torch.bfloat16)
         sender.share(tokens, hidden, step=5)
@@ -132,7 +134,7 @@ def test_samples_sent_before_a_drafter_is_ready_wait_for_it_and_are_checked_then
     ports = free_ports(2)             # ready, but with no target (no spec, no run_dir): refused, counted
     sender = _fleet(1, ports, pipeline=2, coordinator=1)
     blind = Fleet(FleetConfig(rank=0, world=2, pipeline=2, coordinator=1,
-                              addresses=[("127.0.0.1", p) for p in ports], key=KEY, job_uid="job"))
+                              addresses=[("127.0.0.1", p) for p in ports], key=KEY, pod=PODS[0], job_uid="job"))
     blind.expect(WEIGHTS)
     try:
         sender.share(torch.arange(8), None, step=7)
@@ -242,7 +244,7 @@ def test_parts_sent_before_the_assembler_is_ready_wait_for_it() -> None:
     sender = _fleet(0, ports, pipeline=2, coordinator=1)
     sender.use_features((1,))
     late = Fleet(FleetConfig(rank=1, world=2, pipeline=2, coordinator=1,
-                             addresses=[("127.0.0.1", p) for p in ports], key=KEY, job_uid="job"))
+                             addresses=[("127.0.0.1", p) for p in ports], key=KEY, pod=PODS[1], job_uid="job"))
     try:
         tokens, feats = torch.arange(8), torch.randn(8, 4).to(torch.bfloat16)
         sender.send_part(tokens, feats, (1,), step=4, seq_index=2)

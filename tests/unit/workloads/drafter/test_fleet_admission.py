@@ -16,6 +16,7 @@ from spectrain_workloads.drafter.fleet_records import FleetConfig
 from spectrain_workloads.drafter.links import Frame, Link, Stats, TokenBucket
 from spectrain_workloads.drafter.listener import Server
 from tests.unit.workloads.drafter.test_fleet_auth import (
+    CLIENT,
     IDENT,
     Collect,
     _closed,
@@ -76,12 +77,12 @@ def test_half_a_hello_is_dropped_after_one_leg(server: tuple[Server, Collect]) -
     srv, _ = server
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
         t0 = time.monotonic()
-        s.sendall(auth._hello(IDENT, 0, b"n" * auth.NONCE_BYTES)[:10])
+        s.sendall(auth._hello(CLIENT, 0, b"n" * auth.FRESH_BYTES)[:10])
         assert _closed(s)
         assert time.monotonic() - t0 < LIMITS.rtt_bound_s + 2
     _rejected(srv, "stalled")
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:   # a whole hello, then no tag
-        s.sendall(auth._hello(IDENT, 0, b"n" * auth.NONCE_BYTES))
+        s.sendall(auth._hello(CLIENT, 0, b"n" * auth.FRESH_BYTES))
         assert s.recv(1 << 10)
         assert _closed(s)
     _rejected(srv, "stalled", 2)
@@ -108,7 +109,7 @@ def test_idle_sessions_close_and_a_link_reconnects_without_losing_a_frame(server
     srv, recv = server
     stats = Stats()
     link = Link(("127.0.0.1", srv.port), TokenBucket(1e9, 1e9), max_queue_bytes=1 << 20, stats=stats,
-                ident=IDENT, rank=0, peer_rank=1, handshake_s=LIMITS.handshake_s)
+                ident=CLIENT, rank=0, peer_rank=1, handshake_s=LIMITS.handshake_s)
     try:
         link.send(Frame("sample", {"i": 0}, b"a"))
         wait_for(lambda: len(recv.frames) == 1, 10)

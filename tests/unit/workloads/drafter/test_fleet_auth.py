@@ -1,6 +1,6 @@
 """drafter.auth + the links' listener on real loopback sockets: the key, the handshake, frame
 MACs and sequence numbers, and the listener's limits (payload caps, stalls); what it admits:
-test_fleet_admission.py."""
+test_fleet_admission.py; the pods' own identities: test_fleet_identity.py."""
 
 from __future__ import annotations
 
@@ -16,20 +16,31 @@ from typing import Any
 import pytest
 
 from spectrain_api.errors import ConfigError
-from spectrain_api.names import ENV_DRAFTER_STORE, ENV_FLEET_KEY_FILE, ENV_POD_IPS
+from spectrain_api.names import (
+    ENV_DRAFTER_STORE,
+    ENV_FLEET_IDENTITY_FILE,
+    ENV_FLEET_KEY_FILE,
+    ENV_FLEET_PEERS_FILE,
+    ENV_JOB_UID,
+    ENV_POD_IPS,
+    ENV_RESTART_GENERATION,
+)
 from spectrain_workloads.drafter import auth, listener
 from spectrain_workloads.drafter.admission import Limits
 from spectrain_workloads.drafter.auth import AuthError, Identity, Session, client_handshake, load_key
 from spectrain_workloads.drafter.fleet_records import parse_peers, store_address
 from spectrain_workloads.drafter.links import Frame, Link, Stats, TokenBucket
 from spectrain_workloads.drafter.listener import Server
+from tests.fleet_ids import pod_identities, write_identities
 from tests.launch import free_ports
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.unit
 
 KEY = os.urandom(32)
-IDENT = Identity(KEY, "uid-1", 3)
+PODS = pod_identities(3, "uid-1", 3)              # one rank per pod
+IDENT = Identity(KEY, "uid-1", 3, PODS[1])        # the listener's (rank 1)
+CLIENT = Identity(KEY, "uid-1", 3, PODS[0])       # rank 0's
 CAP = 4096
 LIMITS = Limits.for_job(world=3, ranks_per_host=3, combine_every_s=1.0)     # 4 pending, 0.1 s a leg, idle 3.2 s
 
@@ -66,7 +77,7 @@ def server() -> Iterator[tuple[Server, Collect]]:
     yield from serving(LIMITS)
 
 
-def _connect(server: Server, ident: Identity = IDENT, rank: int = 0) -> tuple[socket.socket, Session]:
+def _connect(server: Server, ident: Identity = CLIENT, rank: int = 0) -> tuple[socket.socket, Session]:
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     try:
         return sock, client_handshake(sock, ident, rank, 1)
@@ -124,9 +135,32 @@ def test_the_sidecar_needs_a_key_and_the_pods_addresses(tmp_path: Path, monkeypa
     (tmp_path / "key").write_text(KEY.hex())
     (tmp_path / "key").chmod(0o600)
     monkeypatch.setenv(ENV_FLEET_KEY_FILE, str(tmp_path / "key"))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for name in (ENV_FLEET_IDENTITY_FILE, ENV_FLEET_PEERS_FILE, ENV_JOB_UID, ENV_RESTART_GENERATION):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match=f"{ENV_FLEET_IDENTITY_FILE} is not set"):
+        _fleet(cfg, 0, 2, 1)
+    monkeypatch.setenv(ENV_JOB_UID, "uid-1")
+    stale = write_identities(tmp_path / "stale", 2, "uid-1", generation=1)     # the previous generation's
+    for name, path in stale[0].items():
+        monkeypatch.setenv(name, path)
+    with pytest.raises(ConfigError, match=f"restart generation 1, this pod's is 0.*{ENV_FLEET_PEERS_FILE}|"
+                                          f"{ENV_FLEET_PEERS_FILE}.*restart generation 1, this pod's is 0"):
+        _fleet(cfg, 0, 2, 1)
+    ids = write_identities(tmp_path / "ids", 2, "uid-1")
+    monkeypatch.setenv(ENV_FLEET_IDENTITY_FILE, ids[1][ENV_FLEET_IDENTITY_FILE])      # another pod's Secret
+    monkeypatch.setenv(ENV_FLEET_PEERS_FILE, ids[0][ENV_FLEET_PEERS_FILE])
+    with pytest.raises(ConfigError, match=f"{ENV_FLEET_IDENTITY_FILE}.*not the key {ENV_FLEET_PEERS_FILE} lists for rank 0"):
+        _fleet(cfg, 0, 2, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")                                    # 2 pods of 2 ranks
+    with pytest.raises(ConfigError, match=f"{ENV_FLEET_PEERS_FILE} lists 2 pods x 1 local ranks, but WORLD_SIZE is 4"):
+        _fleet(cfg, 0, 4, 3)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv(ENV_FLEET_IDENTITY_FILE, ids[0][ENV_FLEET_IDENTITY_FILE])
     fleet = _fleet(cfg, 0, 2, 1)
     try:
         assert fleet.server.socks[0].getsockname()[0] == "127.0.0.1" and fleet.ident.key == KEY
+        assert fleet.ident.pod is not None and fleet.ident.pod.peers.public_key(1) != fleet.ident.pod.public
         assert fleet.star and fleet.cfg.store is None
     finally:
         fleet.close()
@@ -156,7 +190,7 @@ def test_the_store_follows_the_exporting_ranks_pod() -> None:
 def test_frames_arrive_from_the_authenticated_rank_in_order(server: tuple[Server, Collect]) -> None:
     srv, recv = server
     link = Link(("127.0.0.1", srv.port), TokenBucket(1e9, 1e9), max_queue_bytes=1 << 20, stats=Stats(),
-                ident=IDENT, rank=2, peer_rank=1, handshake_s=LIMITS.handshake_s)
+                ident=Identity(KEY, "uid-1", 3, PODS[2]), rank=2, peer_rank=1, handshake_s=LIMITS.handshake_s)
     try:
         for i in range(5):
             link.send(Frame("sample", {"i": i}, bytes([i]) * 100))
@@ -171,24 +205,25 @@ def test_frames_arrive_from_the_authenticated_rank_in_order(server: tuple[Server
 def test_the_handshake_refuses_another_key_job_generation_or_rank(server: tuple[Server, Collect]) -> None:
     srv, _ = server
     with pytest.raises(AuthError) as exc:
-        _connect(srv, Identity(os.urandom(32), "uid-1", 3))
+        _connect(srv, Identity(os.urandom(32), "uid-1", 3, PODS[0]))
     assert exc.value.cause == "handshake"                 # the listener's tag fails with another key
     _rejected(srv, "handshake")
-    for ident, cause in ((Identity(KEY, "uid-2", 3), "job"), (Identity(KEY, "uid-1", 4), "generation")):
+    for ident, cause in ((Identity(KEY, "uid-2", 3, pod_identities(1, "uid-2", 3)[0]), "job"),
+                         (Identity(KEY, "uid-1", 4, pod_identities(1, "uid-1", 4)[0]), "generation")):
         with pytest.raises(AuthError):
             _connect(srv, ident)
         _rejected(srv, cause)
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock, pytest.raises(AuthError) as exc:
-        client_handshake(sock, IDENT, 0, 2)             # the listener is rank 1, not 2
+        client_handshake(sock, CLIENT, 0, 2)            # the listener is rank 1, not 2
     assert exc.value.cause == "rank"
     s, session = _connect(srv, rank=1)                  # claiming the listener's own rank
     with s:
         _rejected(srv, "rank")
         assert _closed(s)
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:   # a recorded client hello
-        s.sendall(auth._hello(IDENT, 0, b"n" * auth.NONCE_BYTES))
+        s.sendall(auth._hello(CLIENT, 0, b"n" * auth.FRESH_BYTES))
         s.recv(1 << 10)
-        s.sendall(os.urandom(auth.TAG_BYTES))          # cannot tag the listener's fresh nonce
+        s.sendall(os.urandom(auth.PROOF_BYTES))        # cannot tag the listener's fresh nonce
     _rejected(srv, "handshake", 3)
 
 

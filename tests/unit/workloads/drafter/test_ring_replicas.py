@@ -19,6 +19,7 @@ from spectrain_workloads.drafter.allreduce import Result
 from spectrain_workloads.drafter.fleet import Fleet
 from spectrain_workloads.drafter.fleet_records import FleetConfig
 from spectrain_workloads.drafter.ring_replicas import RingReplicas, check_result, pace_s, ring_timeout_s
+from tests.fleet_ids import pod_identities
 from tests.launch import free_ports
 from tests.waiting import wait_for
 
@@ -76,9 +77,9 @@ class Recorded(RingReplicas):
 
 def _ring(n: int) -> tuple[list[Fleet], list[Recorded], list[torch.nn.Module], list[list[dict[str, Any]]]]:
     ports = free_ports(n + 1)
-    key = os.urandom(32)
+    key, pods = os.urandom(32), pod_identities(n, "job")
     fleets = [Fleet(FleetConfig(rank=r, world=n, pipeline=1, coordinator=n - 1,
-                                addresses=[("127.0.0.1", p) for p in ports[:n]], key=key, job_uid="job",
+                                addresses=[("127.0.0.1", p) for p in ports[:n]], key=key, pod=pods[r], job_uid="job",
                                 combine_every_s=1.0, engine="AllReduce", store=("127.0.0.1", ports[n])))
               for r in range(n)]
     logs: list[list[dict[str, Any]]] = [[] for _ in range(n)]

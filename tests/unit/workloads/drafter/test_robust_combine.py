@@ -20,12 +20,14 @@ from spectrain_workloads.drafter.checks import TargetSpec
 from spectrain_workloads.drafter.fleet import Fleet
 from spectrain_workloads.drafter.fleet_records import Contribution, FleetConfig
 from spectrain_workloads.drafter.replicas import Replicas
+from tests.fleet_ids import pod_identities
 from tests.launch import free_ports
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.unit
 
 KEY = os.urandom(32)
+PODS = pod_identities(8, "job")              # one rank per pod
 TARGET = TargetSpec(vocab=1000, hidden=4, max_tokens=64)
 SHAPES = {"a.weight": (16, 8), "b.weight": (8,)}
 COORD = 3
@@ -33,7 +35,7 @@ COORD = 3
 
 def _fleet(rank: int, ports: list[int]) -> Fleet:
     f = Fleet(FleetConfig(rank=rank, world=len(ports), pipeline=1, coordinator=COORD,
-                          addresses=[("127.0.0.1", p) for p in ports], key=KEY, job_uid="job"))
+                          addresses=[("127.0.0.1", p) for p in ports], key=KEY, pod=PODS[rank], job_uid="job"))
     f.expect({n: torch.zeros(s) for n, s in SHAPES.items()}, TARGET)
     return f
 
