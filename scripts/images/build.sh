@@ -15,7 +15,7 @@
 # Each image is written as a docker-archive that `ctr -n k8s.io images import` (and `docker load`)
 # loads as docker.io/$IMG_OPERATOR_REF and docker.io/$IMG_WORKLOADS_REF:
 #   $IMG_CACHE/spectrain-operator.tar, $IMG_CACHE/spectrain-workloads-cpu.tar
-# and cached by the sha256 of every input (the Dockerfile, its lock, pyproject.toml, README.md,
+# and cached by the sha256 of every input (the Dockerfile, its lock, pyproject.toml,
 # .dockerignore, each source file the Dockerfile COPYs, the base digest, this script), kept in
 # <archive>.inputs: a warm run with unchanged inputs returns at once. Prints the archives' paths.
 set -euo pipefail
@@ -57,11 +57,11 @@ build_one() {
   case $name in
     operator)
       dockerfile=operator/Dockerfile ref=$IMG_OPERATOR_REF archive=$IMG_CACHE/spectrain-operator.tar
-      copies=(operator/requirements.lock pyproject.toml README.md operator/spectrain_operator operator/spectrain_api)
+      copies=(operator/requirements.lock pyproject.toml operator/spectrain_operator operator/spectrain_api)
       args=(--build-arg "PYTHON_IMAGE=$IMG_BASE_NAME" --build-arg "PYTHON_IMAGE_DIGEST=$base_digest") ;;
     workloads)
       dockerfile=workloads/Dockerfile ref=$IMG_WORKLOADS_REF archive=$IMG_CACHE/spectrain-workloads-cpu.tar
-      copies=(workloads/requirements.lock pyproject.toml README.md operator/spectrain_api
+      copies=(workloads/requirements.lock pyproject.toml operator/spectrain_api
               operator/spectrain_operator workloads/spectrain_workloads)
       args=(--build-arg "BASE_IMAGE=$IMG_BASE_NAME" --build-arg "BASE_IMAGE_DIGEST=$base_digest") ;;
   esac
