@@ -25,7 +25,7 @@ from typing import Any
 
 from spectrain_api.errors import ConfigError
 from spectrain_api.names import ENV_FLEET_IDENTITY_FILE, ENV_FLEET_PEERS_FILE
-from spectrain_api.secretfile import require_private
+from spectrain_api.secretfile import read_hex_key
 
 IDENTITY_ITEM = "identity.key"      # the pod's private key (its Secret's data key and file name)
 PEERS_ITEM = "peers.json"           # every pod's public key (the same document for the whole generation)
@@ -110,19 +110,8 @@ def load_peers(path: str | os.PathLike[str] | None, job_uid: str, generation: in
 def load_identity(path: str | os.PathLike[str] | None) -> bytes:
     """This pod's private key (32 bytes) from `path` (ENV_FLEET_IDENTITY_FILE), in a file only its
     owner and this pod can read (spectrain_api.secretfile)."""
-    where = f"{ENV_FLEET_IDENTITY_FILE} (the pod's fleet-identity Secret, mounted into the drafter container)"
-    if not path:
-        raise ConfigError(f"{ENV_FLEET_IDENTITY_FILE} is not set: a drafter speaks for its ranks with its pod's "
-                          f"own key; the operator mounts it and sets {where}")
-    require_private(path, f"the pod's fleet identity ({ENV_FLEET_IDENTITY_FILE})")
-    try:
-        text = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the fleet identity {str(path)!r} named by {where}: {exc.strerror}") from None
-    if not _HEX.fullmatch(text):
-        raise ConfigError(f"the fleet identity {str(path)!r} ({ENV_FLEET_IDENTITY_FILE}) must hold "
-                          f"{2 * KEY_BYTES} lowercase hex characters")
-    return bytes.fromhex(text)
+    return read_hex_key(path, KEY_BYTES, "the pod's fleet identity", ENV_FLEET_IDENTITY_FILE,
+                        "the operator, mounting the pod's fleet-identity Secret into the drafter container,")
 
 
 def mint(n_pods: int) -> list[tuple[bytes, bytes]]:

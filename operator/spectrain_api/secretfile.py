@@ -54,4 +54,26 @@ def require_private(path: str | os.PathLike[str], what: str) -> None:
             "as the operator does")
 
 
-__all__ = ["PRIVATE_MODES", "require_private"]
+def read_hex_key(path: str | os.PathLike[str] | None, n_bytes: int, what: str, env: str, mounted: str) -> bytes:
+    """`n_bytes` bytes from a private file of 2 * n_bytes hex characters (whitespace around them
+    ignored): `what` names the key in errors, `env` the variable that names the file, `mounted` what
+    sets it on a cluster. ConfigError naming the variable and the fix when unset, unreadable, not
+    private (require_private) or malformed."""
+    where = f"{env} ({mounted})"
+    if not path:
+        raise ConfigError(f"{env} is not set: the drafter exchange needs {what}; on a cluster {mounted} sets it")
+    require_private(path, f"{what} ({env})")
+    try:
+        text = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {str(path)!r} named by {where}: {exc.strerror}") from None
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != n_bytes:
+        raise ConfigError(f"{what} {str(path)!r} ({env}) must hold {2 * n_bytes} hex characters")
+    return key
+
+
+__all__ = ["PRIVATE_MODES", "read_hex_key", "require_private"]

@@ -46,11 +46,10 @@ import socket
 import struct
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from spectrain_api.errors import ConfigError
 from spectrain_api.names import ENV_FLEET_IDENTITY_FILE, ENV_FLEET_KEY_FILE
-from spectrain_api.secretfile import require_private
+from spectrain_api.secretfile import read_hex_key
 from spectrain_workloads.drafter.identity import (
     EPHEMERAL_BYTES,
     SIG_BYTES,
@@ -114,22 +113,8 @@ class Identity:
 def load_key(path: str | os.PathLike[str] | None) -> bytes:
     """The job's key from its file: 64 hex characters (whitespace around them ignored), in a file
     only its owner and this pod can read (spectrain_api.secretfile)."""
-    where = f"{ENV_FLEET_KEY_FILE} (the job's fleet-key Secret, mounted into the drafter container)"
-    if not path:
-        raise ConfigError(f"{ENV_FLEET_KEY_FILE} is not set: the drafter exchange needs the job's key; "
-                          f"the operator mounts the fleet-key Secret and sets {where}")
-    require_private(path, f"the fleet key ({ENV_FLEET_KEY_FILE})")
-    try:
-        text = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the fleet key {path!r} named by {where}: {exc.strerror}") from None
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        key = b""
-    if len(key) != KEY_BYTES:
-        raise ConfigError(f"the fleet key {path!r} ({ENV_FLEET_KEY_FILE}) must hold {2 * KEY_BYTES} hex characters")
-    return key
+    return read_hex_key(path, KEY_BYTES, "the fleet key", ENV_FLEET_KEY_FILE,
+                        "the operator, mounting the job's fleet-key Secret into the drafter container,")
 
 
 def _mac(key: bytes | None, *parts: bytes | bytearray) -> bytes:
