@@ -115,10 +115,10 @@ NODE_LOSS_TOLERATION_S = 5
 
 
 def test_a_lost_node_restarts_the_gang_from_its_checkpoint_on_the_node_left(stack: Stack) -> None:
-    """One node's kubelet, containerd and containers killed at once mid-job: the Node turns
-    NotReady, the taint manager evicts the job's pod there, the operator restarts the gang (reason
-    PodEvicted), force-deletes the pod whose kubelet will never confirm it, and the new generation
-    resumes from the last checkpoint on the node left and runs to the end."""
+    """One node's kubelet, containerd and containers killed at once mid-job: the operator restarts
+    the gang (its rank left fails on the lost peer, or the taint manager evicts the lost pod once
+    the Node is NotReady), force-deletes the pod whose kubelet will never confirm it, and the new
+    generation resumes from the last checkpoint on the node left and runs to the end."""
     m = stack.example("demo.yaml")
     m["metadata"]["name"] = LOST
     t = m["spec"]["target"]
@@ -142,9 +142,12 @@ def test_a_lost_node_restarts_the_gang_from_its_checkpoint_on_the_node_left(stac
         st = stack.wait_phase(LOST, "Succeeded", JOB_TIMEOUT_S)
         why = stack.describe(LOST)
         reasons = [e.reason for e in stack.events(LOST)]
-        assert st["restarts"] == 1 and st["restartsTowardsMax"] == 0, why
-        assert "PodEvicted" in reasons and "PodForceDeleted" in reasons, (reasons, why)
-        assert "evicted (DeletionByTaintManager)" in st["lastFailure"], st["lastFailure"]
+        # Whichever comes first restarts the gang: the rank left sees its peer's connections reset
+        # (the killed processes' sockets; TargetFailed, counted against maxRestarts) or, where
+        # nothing reaches it, the taint manager evicts the lost pod (PodEvicted, not counted). The
+        # lost pod's kubelet never confirms its deletion either way: it is force-deleted.
+        assert st["restarts"] == 1, why
+        assert {"PodEvicted", "TargetFailed"} & set(reasons) and "PodForceDeleted" in reasons, (reasons, why)
         new = stack.pods(LOST)
         assert {p.metadata.uid for p in new}.isdisjoint(old_uids), "an old pod is still the job's"
         assert {p.spec.node_name for p in new} == {left}, [p.spec.node_name for p in new]
