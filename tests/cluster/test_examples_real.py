@@ -88,7 +88,7 @@ def _trained(stack: Stack, job: dict[str, Any], ranks: int) -> dict[int, dict[st
     assert st["restarts"] == 0 and not st.get("drafterFailures"), why
     assert st["drafter"]["harvestedSeconds"] > 0, f"the drafters harvested nothing: {st['drafter']}\n{why}"
     assert stack.condition(name, "DrafterNeverTrained") is None, why
-    assert st["drafter"]["artifact"].startswith(RUN_MOUNT), st["drafter"]
+    assert st["drafter"].get("artifact", "").startswith(RUN_MOUNT), (st["drafter"], why)
     if job["volume"] is None:
         return {}
     summaries = {r: json.loads(p.read_text()) for r, p in rundir.drafter_summaries(job["volume"])}

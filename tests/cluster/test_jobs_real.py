@@ -107,12 +107,26 @@ def test_leader_failover_hands_over_within_the_lease_and_reconciles_a_new_job(st
 
 RENDEZVOUS = MASTER_PORT            # the target's c10d store
 METRICS = TARGET_METRICS_PORT      # local rank 0's
-PROBE = ("import socket, sys\n"
-         "try:\n"
-         "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close()\n"
-         "except OSError as exc:\n"
-         "    print('refused:', exc); sys.exit(3)\n"
-         "print('connected')\n")
+# One pod per source namespace probes its targets ([[ip, port, expected], ...]) until each expected
+# "connected" has connected, then once more every target, or until the deadline: a NetworkPolicy
+# reaches a new pod's IP a moment after the pod starts (kube-router syncs on the pod's event), so
+# a refusal counts only once this very pod has been let through where it should be.
+PROBE = ("import json, socket, sys, time\n"
+         "want, deadline, got = json.loads(sys.argv[1]), time.monotonic() + float(sys.argv[2]), {}\n"
+         "def attempt(ip, port):\n"
+         "    try:\n"
+         "        socket.create_connection((ip, port), timeout=2).close()\n"
+         "        return True\n"
+         "    except OSError:\n"
+         "        return False\n"
+         "while True:\n"
+         "    synced = all(got.get(f'{ip}:{port}') for ip, port, e in want if e == 'connected')\n"
+         "    for ip, port, _ in want:\n"
+         "        got[f'{ip}:{port}'] = got.get(f'{ip}:{port}') or attempt(ip, port)\n"
+         "    if synced or time.monotonic() > deadline:\n"
+         "        break\n"
+         "print(json.dumps(got))\n")
+PROBE_PATIENCE_S = 90
 
 
 def test_the_jobs_network_policy_keeps_other_namespaces_out(stack: Stack) -> None:
@@ -139,8 +153,9 @@ def test_the_jobs_network_policy_keeps_other_namespaces_out(stack: Stack) -> Non
         ips[name] = pods[f"{name}-0"].status.pod_ip
         assert pods[f"{name}-0"].spec.node_name != pods[f"{name}-1"].spec.node_name
     inside = stack.kubectl("-n", stack.ns, "exec", "np-1", "-c", "target", "--", "python3", "-c", PROBE,
-                           ips["np"], str(RENDEZVOUS))
-    assert "connected" in inside
+                           json.dumps([[ips["np"], RENDEZVOUS, "connected"]]), str(PROBE_PATIENCE_S),
+                           timeout=PROBE_PATIENCE_S + 30)
+    assert json.loads(inside.strip().splitlines()[-1]) == {f"{ips['np']}:{RENDEZVOUS}": True}, inside
     outsider, monitoring = f"{stack.ns}-out", f"{stack.ns}-mon"
     for ns, labels in ((outsider, {}), (monitoring, allowed)):
         stack.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns, labels=labels)))
@@ -148,7 +163,8 @@ def test_the_jobs_network_policy_keeps_other_namespaces_out(stack: Stack) -> Non
         probes = {("out", "np", RENDEZVOUS): "refused", ("out", "np", METRICS): "refused",
                   ("mon", "np", RENDEZVOUS): "refused", ("mon", "np", METRICS): "connected",
                   ("out", "np-off", RENDEZVOUS): "connected"}
-        seen = _probe_all(stack, {k: ({"out": outsider, "mon": monitoring}[k[0]], ips[k[1]], k[2]) for k in probes})
+        seen = _probe_all(stack, {k: ({"out": outsider, "mon": monitoring}[k[0]], ips[k[1]], k[2], want)
+                                  for k, want in probes.items()})
         assert seen == probes, seen
     finally:
         for ns in (outsider, monitoring):
@@ -157,26 +173,28 @@ def test_the_jobs_network_policy_keeps_other_namespaces_out(stack: Stack) -> Non
             stack.custom.delete_namespaced_custom_object(GROUP, VERSION, stack.ns, PLURAL, name)
 
 
-def _probe_all(stack: Stack, probes: dict[tuple, tuple[str, str, int]]) -> dict[tuple, str]:
-    """One pod per probe (namespace, ip, port), all at once: 'connected' or 'refused' each."""
-    for ns in {ns for ns, _, _ in probes.values()}:
+def _probe_all(stack: Stack, probes: dict[tuple, tuple[str, str, int, str]]) -> dict[tuple, str]:
+    """probes: key -> (namespace, ip, port, expected). One PROBE pod per namespace, all at once:
+    'connected' or 'refused' per key."""
+    by_ns: dict[str, list[tuple]] = {}
+    for key, (ns, *_) in probes.items():
+        by_ns.setdefault(ns, []).append(key)
+    for ns in by_ns:
         wait_for(lambda ns=ns: _has_default_sa(stack, ns), 60, 0.2, f"ServiceAccount default in {ns}")
-    names = {}
-    for i, (key, (ns, ip, port)) in enumerate(probes.items()):
-        names[key] = (ns, f"probe-{i}")
+        want = json.dumps([list(probes[k][1:]) for k in by_ns[ns]])
         stack.core.create_namespaced_pod(ns, client.V1Pod(
-            metadata=client.V1ObjectMeta(name=f"probe-{i}"),
+            metadata=client.V1ObjectMeta(name="probe"),
             spec=client.V1PodSpec(restart_policy="Never", containers=[client.V1Container(
                 name="probe", image=stack.workloads_image, image_pull_policy="IfNotPresent",
-                command=["python3", "-c", PROBE, ip, str(port)])])))
+                command=["python3", "-c", PROBE, want, str(PROBE_PATIENCE_S)])])))
     seen = {}
-    for key, (ns, pod) in names.items():
-        wait_for(lambda ns=ns, pod=pod: stack.core.read_namespaced_pod(pod, ns).status.phase in ("Succeeded", "Failed"),
-                 120, 0.5, f"{ns}/{pod}'s probe finished")
-        log = stack.core.read_namespaced_pod_log(pod, ns)
-        phase = stack.core.read_namespaced_pod(pod, ns).status.phase
-        seen[key] = "connected" if phase == "Succeeded" and "connected" in log else \
-            "refused" if phase == "Failed" and "refused" in log else f"{phase}: {log}"
+    for ns, keys in by_ns.items():
+        wait_for(lambda ns=ns: stack.core.read_namespaced_pod("probe", ns).status.phase in ("Succeeded", "Failed"),
+                 PROBE_PATIENCE_S + 60, 0.5, f"{ns}/probe finished")
+        log = stack.core.read_namespaced_pod_log("probe", ns)
+        got = json.loads(log.strip().splitlines()[-1])
+        for k in keys:
+            seen[k] = "connected" if got[f"{probes[k][1]}:{probes[k][2]}"] else "refused"
     return seen
 
 

@@ -40,8 +40,8 @@ from spectrain_workloads.drafter.train import DrafterTrainer
 from spectrain_workloads.drafter.verify import Acceptance
 from spectrain_workloads.drafter.worker_reporting import Reporting
 
-# A candidate export not measured within this long (no idle window fit a verification chunk) is given
-# up, counted with the rejected ones, and its weights move on: the freeze it imposes stays bounded.
+# A candidate export not measured within this long (no idle window fit a verification chunk) is decided
+# unmeasured (ExportGate._settle_candidate), and its weights move on: the freeze it imposes stays bounded.
 GATE_WAIT_S = 10.0
 
 
@@ -139,14 +139,16 @@ class ExportGate(Reporting):
                 "min_acceptance": self.s.min_acceptance, "vs_latest": self.s.export_vs_latest,
                 "held_back_chunks": len(self.buffer.eval)}
 
-    def _decide(self, result: Acceptance | None) -> None:
+    def _decide(self, result: Acceptance | None, unmeasured_why: str = "") -> None:
         """Export the candidate (measured: `result`, paired with LATEST's where there is one), or count
-        and log why not."""
+        and log why not (`unmeasured_why`: why `result` is None, for the log)."""
         tr, c = self.trainer, self.candidate
         assert tr is not None and c is not None and self.export_dir is not None
         gate = self._gate_record(result)
         verdict = ex.gate_verdict(gate["acceptance_length"], gate["latest_acceptance_length"], self.s.min_acceptance,
                                   latest_exists=self.s.export_vs_latest and self.latest.module is not None)
+        if verdict is not None and verdict[0] == "unmeasured" and unmeasured_why:
+            verdict = verdict[0], f"{unmeasured_why}; {verdict[1]}"
         if verdict is None:
             meta = {**c["meta"], "acceptance": self.metrics.acceptance, "gate": gate}
             try:
@@ -175,13 +177,15 @@ class ExportGate(Reporting):
               flush=True)
 
     def _settle_candidate(self) -> bool:
-        """Between windows: export or reject a measured candidate; give up one not measured within
-        GATE_WAIT_S. True while a candidate still waits (its weights stay: no round, no checkpoint)."""
+        """Between windows: export or reject a measured candidate; decide one not measured within
+        GATE_WAIT_S as unmeasured (gate_verdict: rejected where LATEST or a floor must be met, exported
+        on the finite check alone where neither exists, so that a job whose windows never fit a
+        verification chunk still exports what it learnt). True while a candidate still waits (its
+        weights stay: no round, no checkpoint)."""
         if self.candidate is not None and "result" in self.candidate:
             self._decide(self.candidate["result"])
         if self.candidate is not None:
             if time.monotonic() - self.candidate["since"] > GATE_WAIT_S:
-                self._reject("unmeasured", f"not measured within {GATE_WAIT_S:g} s: no idle window fit a "
-                             "verification chunk", self._gate_record(None))
-            return True
+                self._decide(None, f"not measured within {GATE_WAIT_S:g} s: no idle window fit a verification chunk")
+            return self.candidate is not None
         return False

@@ -8,6 +8,7 @@ measured at once as at shutdown (`_finishing`: no idle windows to wait for).
 - The job's absolute floor (spec.drafter.export.minAcceptance): a candidate below it is never LATEST.
 - Every rejection is counted by cause, in the summary the status path and Prometheus read.
 - After a restart LATEST is read back from the export volume and is still the bar.
+- A candidate no idle window measured in time: the first version is exported, a later one rejected.
 - A paired round measures each model as it would measure it alone; the held LATEST shares the
   target's frozen tensors with the training model and copies only the trainable ones.
 """
@@ -31,6 +32,7 @@ from spectrain_workloads.drafter.settings import DrafterSettings
 from spectrain_workloads.drafter.train import DrafterTrainer
 from spectrain_workloads.drafter.verify import measure, measure_batch
 from spectrain_workloads.drafter.worker import Worker
+from spectrain_workloads.drafter.worker_export import GATE_WAIT_S
 from spectrain_workloads.model import ModelConfig, model_config
 
 pytestmark = pytest.mark.unit
@@ -204,3 +206,21 @@ def test_latest_shares_the_target_s_frozen_tensors_and_copies_only_the_trainable
     tr.refresh_target(shared())                      # the target rewrote its head: LATEST scores against it too
     latest.share_frozen(model)
     assert torch.equal(held.lm_head.weight, model.lm_head.weight)
+
+
+def test_a_candidate_no_window_measured_is_exported_first_and_rejected_once_there_is_latest(tmp_path: Path) -> None:
+    """Under load no idle window may fit a verification chunk: a candidate left unmeasured past
+    GATE_WAIT_S is decided by gate_verdict like one with nothing held back, so the first version is
+    exported (the finite check alone) and a later one, with LATEST to beat, is rejected as unmeasured."""
+    w = _worker(tmp_path)
+    assert w.trainer is not None
+    w._finishing = False          # candidates wait for an idle window, as while the target trains
+    for _ in range(2):
+        w.combiner.optimizer_steps += 1
+        w._checkpoint("periodic")
+        assert w.candidate is not None and w._settle_candidate()       # waiting: no verdict yet
+        w.candidate["since"] -= GATE_WAIT_S + 1
+        assert not w._settle_candidate() and w.candidate is None
+    assert w.exported_version == 1 and (w.export_dir / "LATEST").read_text().strip() == "v1"  # type: ignore[operator]
+    assert {c: n for c, n in w.rejected_by_cause.items() if n} == {"unmeasured": 1}, w.rejected_by_cause
+    assert "no idle window fit a verification chunk" in w.export_rejected_reason
