@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from spectrain_api.errors import ConfigError
-from spectrain_api.names import ENV_FLEET_IDENTITY_FILE, ENV_FLEET_PEERS_FILE
+from spectrain_api.names import ENV_FLEET_IDENTITY_FILE, ENV_FLEET_PEERS_FILE, OFF
 from spectrain_api.secretfile import read_hex_key
 
 IDENTITY_ITEM = "identity.key"      # the pod's private key (its Secret's data key and file name)
@@ -54,6 +54,13 @@ class PeerKeys:
     @property
     def world(self) -> int:
         return self.local_world * len(self.public_keys)
+
+
+def fleet_in_use(policy: str, exchange_enabled: bool, world: int) -> bool:
+    """Whether a job's drafters form a fleet (exchange with each other) and so need identities: the
+    drafter's activation policy is not Off, spec.drafter.exchange.enabled, and more than one rank.
+    The operator mints identity Secrets only then; the drafter opens the fleet only then."""
+    return policy != OFF and exchange_enabled and world >= 2
 
 
 def peers_document(job_uid: str, generation: int, local_world: int, public_keys: list[bytes]) -> str:

@@ -155,6 +155,14 @@ def drafter_runs(job: Obj, drafter_disabled: bool = False) -> bool:
     return bool(job["spec"]["drafter"]["enabled"]) and not drafter_disabled
 
 
+def fleet_runs(job: Obj, drafter_disabled: bool = False) -> bool:
+    """The pods' drafters exchange with each other (fleet_identity.fleet_in_use): only then is each
+    pod's identity minted and mounted."""
+    d, t = job["spec"]["drafter"], job["spec"]["target"]
+    return drafter_runs(job, drafter_disabled) and fleet_identity.fleet_in_use(
+        d["activation"]["policy"], bool(d["exchange"]["enabled"]), int(t["nodes"]) * int(t["procsPerNode"]))
+
+
 def export_dir(job: Obj) -> str:
     export = job["spec"]["drafter"]["export"]
     base = EXPORT_DIR if export.get("claimName", "") else RUN_DIR
@@ -198,13 +206,17 @@ def _drafter_peers_env(job: Obj) -> list[Obj]:
     return [{"name": ENV_DRAFTER_PEERS, "value": peers}]
 
 
-def _drafter_identity_env(job: Obj, generation: int) -> list[Obj]:
-    """The fleet channel's inputs (docs/contracts.md): key file, job identity, the pod's own IPs, and
-    the control file through which a drafter disabled in place learns it."""
-    return [
-        {"name": ENV_FLEET_KEY_FILE, "value": f"{FLEET_KEY_DIR}/{access.FLEET_KEY_ITEM}"},
+def _drafter_identity_env(job: Obj, generation: int, fleet: bool) -> list[Obj]:
+    """The fleet channel's inputs (docs/contracts.md): key file, the pod's identity (`fleet`: a job
+    whose drafters exchange), job identity, the pod's own IPs, and the control file through which a
+    drafter disabled in place learns it."""
+    identity = [
         {"name": ENV_FLEET_IDENTITY_FILE, "value": f"{FLEET_IDENTITY_DIR}/{fleet_identity.IDENTITY_ITEM}"},
         {"name": ENV_FLEET_PEERS_FILE, "value": f"{FLEET_IDENTITY_DIR}/{fleet_identity.PEERS_ITEM}"},
+    ] if fleet else []
+    return [
+        {"name": ENV_FLEET_KEY_FILE, "value": f"{FLEET_KEY_DIR}/{access.FLEET_KEY_ITEM}"},
+        *identity,
         {"name": ENV_JOB_UID, "value": str(job["metadata"].get("uid") or "")},
         {"name": ENV_RESTART_GENERATION, "value": str(generation)},
         {"name": ENV_POD_IPS, "valueFrom": {"fieldRef": {"fieldPath": "status.podIPs"}}},
@@ -212,14 +224,13 @@ def _drafter_identity_env(job: Obj, generation: int) -> list[Obj]:
     ]
 
 
-def _drafter_volumes(job: Obj, node: int, generation: int) -> list[Obj]:
+def _drafter_volumes(job: Obj, node: int, generation: int, fleet: bool) -> list[Obj]:
     return [
         {"name": "podinfo", "downwardAPI": {"items": [
             {"path": PODINFO_ANNOTATIONS, "fieldRef": {"fieldPath": "metadata.annotations"}}]}},
         {"name": "fleet-key", "secret": {"secretName": fleet_key_name(job), "defaultMode": access.FLEET_KEY_MODE}},
-        {"name": "fleet-identity", "secret": {"secretName": fleet_identity_name(job, node, generation),
-                                              "defaultMode": access.FLEET_KEY_MODE}},
-    ]
+    ] + ([{"name": "fleet-identity", "secret": {"secretName": fleet_identity_name(job, node, generation),
+                                                "defaultMode": access.FLEET_KEY_MODE}}] if fleet else [])
 
 
 def _drafter_resources(job: Obj) -> Obj:
@@ -297,7 +308,7 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
     s = job["spec"]
     t = s["target"]
     d = s["drafter"]
-    drafter_on = drafter_runs(job, drafter_disabled)
+    drafter_on, fleet = drafter_runs(job, drafter_disabled), fleet_runs(job, drafter_disabled)
     target: Obj = {
         "name": "target",
         "image": t["image"],
@@ -320,14 +331,14 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
             "command": list(DRAFTER_COMMAND),
             "restartPolicy": "Always",
             "env": _env(job, node, True, DRAFTER_METRICS_PORT) + _drafter_peers_env(job)
-            + _drafter_identity_env(job, generation),
+            + _drafter_identity_env(job, generation, fleet),
             "ports": [{"name": port_name("drafter", i), "containerPort": DRAFTER_PORT + i, "protocol": "TCP"}
                       for i in range(int(t["procsPerNode"]))]
             + metrics_container_ports(job, DRAFTER_METRICS_PORT_NAME, DRAFTER_METRICS_PORT),
             "volumeMounts": _mounts(job, data=False, drafter=True) + [
                 {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True},
-                {"name": "fleet-key", "mountPath": FLEET_KEY_DIR, "readOnly": True},
-                {"name": "fleet-identity", "mountPath": FLEET_IDENTITY_DIR, "readOnly": True}],
+                {"name": "fleet-key", "mountPath": FLEET_KEY_DIR, "readOnly": True}]
+            + ([{"name": "fleet-identity", "mountPath": FLEET_IDENTITY_DIR, "readOnly": True}] if fleet else []),
             "resources": _drafter_resources(job),
             "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
             "securityContext": access.container_security_context(d.get("securityContext")),
@@ -346,7 +357,7 @@ def pod(job: Obj, node: int, *, generation: int = 0, drafter_disabled: bool = Fa
             "securityContext": access.pod_security_context(job),
             "initContainers": init,
             "containers": [target],
-            "volumes": _volumes(job) + (_drafter_volumes(job, node, generation) if drafter_on else []),
+            "volumes": _volumes(job) + (_drafter_volumes(job, node, generation, fleet) if drafter_on else []),
         },
     }
     if not init:

@@ -360,7 +360,7 @@ class Reconciler:
             if error is not None:
                 raise error
             # The generation's fleet identities, all of them, before any of its pods (identities.py).
-            if builders.drafter_runs(job, plan.drafter_disabled):
+            if builders.fleet_runs(job, plan.drafter_disabled):
                 self.children.identities.ensure(job, plan.generation)
             _, error = self.children.create_all(pod_objs, job)
             if error is not None:

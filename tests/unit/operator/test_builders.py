@@ -362,6 +362,26 @@ def test_only_the_drafter_gets_the_key_identity_and_control_file() -> None:
     assert {"fleet-key", "fleet-identity", "podinfo"}.isdisjoint(v["name"] for v in off["spec"]["volumes"])
 
 
+@pytest.mark.parametrize("change", ["policy Off", "exchange off", "one rank"])
+def test_no_fleet_no_identity_secret_minted_or_mounted(change: str) -> None:
+    """A job whose drafters never exchange (activation Off, exchange disabled, a single rank) gets no
+    identity: the reconciler mints none (fleet_runs) and its pods mount none, yet keep the key."""
+    j = job()
+    assert builders.fleet_runs(j)
+    if change == "policy Off":
+        j["spec"]["drafter"]["activation"]["policy"] = names.OFF
+    elif change == "exchange off":
+        j["spec"]["drafter"]["exchange"]["enabled"] = False
+    else:
+        j["spec"]["target"].update(nodes=1, procsPerNode=1)
+    assert not builders.fleet_runs(j) and builders.drafter_runs(j)
+    p, _ = builders.pod(j, 0, generation=1)
+    (drafter,) = p["spec"]["initContainers"]
+    assert "fleet-identity" not in {v["name"] for v in p["spec"]["volumes"]} | {m["name"] for m in drafter["volumeMounts"]}
+    assert {"fleet-key", "podinfo"} <= {v["name"] for v in p["spec"]["volumes"]}
+    assert not {names.ENV_FLEET_IDENTITY_FILE, names.ENV_FLEET_PEERS_FILE} & set(env_of(drafter))
+
+
 def test_drafter_disabled_in_place_keeps_the_sidecar_and_annotates_the_pod() -> None:
     p, _ = builders.pod(job(), 0, drafter_off="TooManyFailures")
     assert [c["name"] for c in p["spec"]["initContainers"]] == ["drafter"]

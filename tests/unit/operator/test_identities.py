@@ -282,9 +282,10 @@ def test_jobs_without_a_drafter_get_no_identities_and_restart_without_drafter_re
     assert kube.violations == []
 
 
-def test_the_secrets_follow_the_drafter_sidecar_not_its_activation_policy() -> None:
-    """activation.policy Off keeps the sidecar (it never uses the GPU), which mounts its identity."""
+def test_no_secrets_where_the_drafters_never_exchange() -> None:
+    """activation.policy Off keeps the sidecar (it never uses the GPU) but it opens no fleet
+    (fleet_identity.fleet_in_use): no identity is minted, none mounted, the pods start all the same."""
     kube = CrashingKube(job(drafter={"activation": {"policy": "Off"}}))
     run_until(kube, lambda: len(kube.pods_of(0)) == NODES)
     assert all(p["spec"]["initContainers"] for p in kube.pods_of(0))
-    assert len(kube.secrets_of(0)) == NODES and kube.violations == []
+    assert kube.secrets_of(0) == {} and kube.violations == []

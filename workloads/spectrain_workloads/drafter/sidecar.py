@@ -47,7 +47,6 @@ from spectrain_api.names import (
     ENV_RING_DIR,
     ENV_RUN_DIR,
     EXIT_PEER_FRAME,
-    OFF,
 )
 from spectrain_workloads.drafter.control import CONTROL_EVERY_S, REASON_DISABLED, DrafterControl
 
@@ -184,7 +183,7 @@ def _run_worker(cfg: Any, settings: Any, local_rank: int, rank: int, run_dir: Pa
     enabled = os.environ.get(ENV_DRAFTER_ENABLED, "1") != "0" and cfg.drafter.enabled
     if not enabled:
         settings.policy = "Off"
-    fleet = _fleet(cfg, rank, world, export_rank) if settings.policy != OFF else None
+    fleet = _fleet(cfg, rank, world, export_rank, settings.policy)
     worker = Worker(settings=settings, rank=rank, ring_path=ring_dir / f"ring-{local_rank}",
                     run_dir=run_dir, export_dir=export_dir if rank == export_rank else None,
                     device=device, stop=stop, memory_cap_bytes=_memory_cap(device), fleet=fleet, control=control,
@@ -212,12 +211,12 @@ def idle_disabled(run_dir: Path, rank: int, settings: Any, stop: Any, prometheus
     return 0
 
 
-def _fleet(cfg: Any, rank: int, world: int, export_rank: int) -> Any:
-    """The exchange with the job's other drafters (drafter.fleet); None alone or when turned off.
+def _fleet(cfg: Any, rank: int, world: int, export_rank: int, policy: str) -> Any:
+    """The exchange with the job's other drafters (drafter.fleet); None where fleet_in_use says none.
     It listens on the pod's own addresses (ENV_POD_IPS, one socket per family; ENV_DRAFTER_BIND overrides,
     comma-separated), never on every interface, and authenticates with the job's key and its pod's own
     identity (ENV_FLEET_IDENTITY_FILE, and every pod's public key in ENV_FLEET_PEERS_FILE)."""
-    from spectrain_api.fleet_identity import load_identity, load_peers
+    from spectrain_api.fleet_identity import fleet_in_use, load_identity, load_peers
     from spectrain_api.names import (
         ALLREDUCE,
         ENV_DRAFTER_BIND,
@@ -237,7 +236,7 @@ def _fleet(cfg: Any, rank: int, world: int, export_rank: int) -> Any:
 
     ex = cfg.drafter.exchange
     peers = os.environ.get(ENV_DRAFTER_PEERS, "")
-    if world < 2 or not ex.enabled or not peers:
+    if not fleet_in_use(policy, ex.enabled, world) or not peers:
         return None
     binds = [h.strip() for h in (os.environ.get(ENV_DRAFTER_BIND) or os.environ.get(ENV_POD_IPS, "")).split(",") if h.strip()]
     if not binds:
