@@ -594,6 +594,12 @@ def status_schema() -> dict[str, Any]:
                                         "version_reused.",
                                         {c: i(f"Candidates rejected: {c}.", minimum=0)
                                          for c in C.EXPORT_REJECT_CAUSES}),
+            "combineAdjustedByCause": o("Contributions the fleet's robust combine adjusted, by cause (the "
+                                        "coordinator's counts): work_capped (claimed work above the rate of the "
+                                        "coordinator's own clock), outlier_clipped (an update far from the "
+                                        "round's median), weight_capped (a rank's weight in a round bounded).",
+                                        {c: i(f"Contributions adjusted: {c}.", minimum=0)
+                                         for c in C.COMBINE_ADJUST_CAUSES}),
         }),
     })
 

@@ -67,7 +67,8 @@ def artifact_ok(value: str, export_dir: str) -> bool:
 def checked_drafter_report(report: dict[str, Any], *, exporting: bool, export_dir: str,
                            max_harvest_s: float) -> tuple[dict[str, Any], list[Refusal]]:
     """The fields of one pod's drafter report the operator may use (state, harvestedSeconds,
-    harvestEfficiency, acceptanceLength, artifact, reason, exportsRejectedByCause) and the refused ones. `exporting`: the
+    harvestEfficiency, acceptanceLength, artifact, reason, exportsRejectedByCause, combineAdjustedByCause) and the
+    refused ones. `exporting`: the
     pod is the exporting rank's; `max_harvest_s`: the most idle time its ranks can have harvested
     (local ranks x the job's age)."""
     out: dict[str, Any] = {}
@@ -92,8 +93,9 @@ def checked_drafter_report(report: dict[str, Any], *, exporting: bool, export_di
             refused.append(Refusal("artifact", repr(artifact)[:80], f"not a version directory v<N> of {export_dir}"))
         else:
             out["artifact"] = artifact
-    if isinstance(report.get("exportsRejectedByCause"), dict):   # its counts are read by cause, each checked
-        out["exportsRejectedByCause"] = report["exportsRejectedByCause"]
+    for field in ("exportsRejectedByCause", "combineAdjustedByCause"):   # counts read by cause, each checked
+        if isinstance(report.get(field), dict):
+            out[field] = report[field]
     return out, refused
 
 

@@ -15,6 +15,7 @@ from datetime import datetime
 
 from spectrain_api.names import (
     ACTIVE,
+    COMBINE_ADJUST_CAUSES,
     DEGRADED,
     EXIT_OK,
     EXIT_PEER_FRAME,
@@ -209,31 +210,33 @@ def summary(reports: list[Obj], previous: object, *, enabled: bool, degraded: bo
             "acceptanceLength": round(sum(acceptance) / len(acceptance), 4) if acceptance
             else finite(prev.get("acceptanceLength")),
             "artifact": artifact, "reportFieldsRefused": refused,
-            "exportsRejectedByCause": export_rejections(reports, prev)}
+            "exportsRejectedByCause": counts_by_cause(reports, prev, "exportsRejectedByCause", EXPORT_REJECT_CAUSES),
+            "combineAdjustedByCause": counts_by_cause(reports, prev, "combineAdjustedByCause", COMBINE_ADJUST_CAUSES)}
 
 
-# Bound of a reported rejection count: the CRD's integer (int32); a larger one is not a drafter's.
+# Bound of a reported count by cause: the CRD's integer (int32); a larger one is not a drafter's.
 MAX_REJECTIONS = 2**31 - 1
 
 
-def export_rejections(reports: list[Obj], previous: Obj) -> dict[str, int]:
-    """status.drafter.exportsRejectedByCause: per cause of names.EXPORT_REJECT_CAUSES, the sum of the
-    pods' drafter reports (only the exporting rank's gate rejects). A count that is not an integer in
+def counts_by_cause(reports: list[Obj], previous: Obj, field: str, causes: tuple[str, ...]) -> dict[str, int]:
+    """status.drafter.<field>: per cause, the sum of the pods' drafter reports' counts (field
+    exportsRejectedByCause: the exporting rank's gate, names.EXPORT_REJECT_CAUSES; combineAdjustedByCause:
+    the fleet's coordinator, names.COMBINE_ADJUST_CAUSES). A count that is not an integer in
     [0, MAX_REJECTIONS], or of another cause, is not read; with no pod reporting any, the previous ones."""
-    total = dict.fromkeys(EXPORT_REJECT_CAUSES, 0)
+    total = dict.fromkeys(causes, 0)
     seen = False
     for r in reports:
-        by = r.get("exportsRejectedByCause")
+        by = r.get(field)
         if not isinstance(by, dict):
             continue
         seen = True
-        for cause in EXPORT_REJECT_CAUSES:
+        for cause in causes:
             n = by.get(cause)
             if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_REJECTIONS:
                 total[cause] = min(total[cause] + n, MAX_REJECTIONS)
     if seen:
         return total
-    before = previous.get("exportsRejectedByCause")
+    before = previous.get(field)
     before = before if isinstance(before, dict) else {}
     return {c: n if isinstance(n := before.get(c), int) and not isinstance(n, bool) and 0 <= n <= MAX_REJECTIONS
-            else 0 for c in EXPORT_REJECT_CAUSES}
+            else 0 for c in causes}

@@ -657,7 +657,9 @@ def test_progress_and_drafter_from_the_pods_reports() -> None:
                      "exportsRejectedByCause": {"below_latest": 3, "below_floor": 1, "unknown": 5,
                                                 "non_finite": -2, "unmeasured": True, "version_reused": 1.5}})
     artifact = f"{builders.export_dir(j)}/v3"      # from the exporting (last) rank's pod
-    d1 = json.dumps({"state": "Waiting", "harvestedSeconds": 21.7, "harvestEfficiency": 0.92, "artifact": artifact})
+    d1 = json.dumps({"state": "Waiting", "harvestedSeconds": 21.7, "harvestEfficiency": 0.92, "artifact": artifact,
+                     "combineAdjustedByCause": {"work_capped": 4, "outlier_clipped": 2**40, "weight_capped": 1,
+                                                "made_up": 9}})
     pods = running(j)
     j["status"][STATUS_REPORTS] = reports(pods, n0={REPORT_PROGRESS: prog, REPORT_DRAFTER: d0},
                                           n1={REPORT_DRAFTER: d1})
@@ -671,6 +673,8 @@ def test_progress_and_drafter_from_the_pods_reports() -> None:
     # the gate's rejections by cause: known causes, non-negative integers only
     assert d["exportsRejectedByCause"] == {"below_latest": 3, "below_floor": 1, "non_finite": 0, "unmeasured": 0,
                                            "version_reused": 0}
+    # the robust combine's adjustments by cause (the coordinator's report), read the same way
+    assert d["combineAdjustedByCause"] == {"work_capped": 4, "outlier_clipped": 0, "weight_capped": 1}
     assert cond(plan, "DrafterActive")["status"] == "True"
     assert STATUS_REPORTS not in plan.status, "the reports are the pods': the operator never writes them back"
 
