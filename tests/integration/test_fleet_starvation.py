@@ -54,9 +54,11 @@ class Job:
         target = {"nodes": WORLD, "parallelism": {"data": 1, "pipeline": PIPELINE, "microbatches": 2},
                   "checkpoint": {"claimName": "run"}}
         drafter = {"activation": {"safetyMarginMs": 1}, "exchange": {"combineEverySeconds": 1}}
-        # nothing held back, so every round's version is exported once finite (the acceptance gate
-        # waits for idle windows that fit a verification chunk): the comparison counts rounds, not the gate
-        settings = {"checkpoint_every_s": 1.0, "samples_per_step": 4, "eval_every": 1 << 30}
+        # nothing held back and no comparison with LATEST, so every round's version is exported once
+        # finite (the acceptance gate waits for idle windows that fit a verification chunk, and rejects
+        # an unmeasured candidate while there is a LATEST to beat): the comparison counts rounds, not the gate
+        settings = {"checkpoint_every_s": 1.0, "samples_per_step": 4, "eval_every": 1 << 30,
+                    "export_vs_latest": False}
         self.pods = [Pod(root / f"{name}-{r}", drafter=drafter, target=target, settings=settings,
                          env={"RANK": str(r), "WORLD_SIZE": str(WORLD), "SPECTRAIN_DRAFTER_BIND": "127.0.0.1",
                               "SPECTRAIN_DRAFTER_PEERS": ",".join(f"127.0.0.1:{p}" for p in self.ports),
