@@ -39,18 +39,11 @@ if [[ $mode == print ]]; then
   exit 0
 fi
 
-# --- Go (the same choice as build-kube-current.sh) ---------------------------------------------
-GO=$(command -v go || true)
-need=$(awk '$1 == "go" { print $2; exit }' "$MOD/go.mod")
-go_ok() { [[ -x "$1" ]] && [[ "$(printf '%s\n%s\n' "$need" "$("$1" env GOVERSION | sed 's/^go//')" | sort -V | head -n1)" == "$need" ]]; }
-if [[ -z "$GO" ]] || ! go_ok "$GO"; then
-  if go_ok /usr/local/go/bin/go; then GO=/usr/local/go/bin/go
-  else die "Go >= $need not found (have: ${GO:-none}${GO:+ $("$GO" env GOVERSION)}); install Go $need or newer"
-  fi
-fi
-export GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false"
+# --- Go (scripts/go-env.sh) ---------------------------------------------------------------------
+source "$ROOT/scripts/go-env.sh"
+go_setup "$(awk '$1 == "go" { print $2; exit }' "$MOD/go.mod")"
 
-sum=$(cat "$MOD/go.mod" "$MOD/go.sum" | sha256sum | cut -c1-16)
+sum=$(go_workspace_sum)
 STAMP="helm=$VERSION modules=$sum level=$BUILD_LEVEL"
 
 if [[ -x "$BIN/helm" && "$(cat "$BIN/.stamp" 2>/dev/null)" == "$STAMP" ]]; then
@@ -66,8 +59,8 @@ trap 'rm -rf "${OUT:-}"' EXIT
 # go build fetches the modules it needs from the proxy into Go's module cache (go.sum pins them): the
 # only network step; later builds need no network.
 log "go build helm"
-(cd "$MOD" && CGO_ENABLED=0 "$GO" build -trimpath \
-   -ldflags "-s -w -X helm.sh/helm/v4/internal/version.version=$VERSION" -o "$OUT/helm" helm.sh/helm/v4/cmd/helm) \
+go_in "$MOD" build -trimpath \
+   -ldflags "-s -w -X helm.sh/helm/v4/internal/version.version=$VERSION" -o "$OUT/helm" helm.sh/helm/v4/cmd/helm \
   || die "go build in scripts/helm failed (see above; a module the proxy could not serve shows there)"
 got=$("$OUT/helm" version --template '{{.Version}}' 2>&1) || die "the built helm does not run: $got"
 [[ "$got" == "$VERSION" ]] || die "helm version says '$got', expected $VERSION"

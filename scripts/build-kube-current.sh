@@ -84,16 +84,8 @@ elif [[ $mode == print-sp ]]; then
 fi
 
 # --- Go -----------------------------------------------------------------------------------------
-# (build-kube.sh installs Debian's Go 1.19 under /usr/lib/go: never take that one.)
-GO=$(command -v go || true)
-need=$(awk '$1 == "go" { print $2; exit }' "$MOD/go.mod")
-go_ok() { [[ -x "$1" ]] && [[ "$(printf '%s\n%s\n' "$need" "$("$1" env GOVERSION | sed 's/^go//')" | sort -V | head -n1)" == "$need" ]]; }
-if [[ -z "$GO" ]] || ! go_ok "$GO"; then
-  if go_ok /usr/local/go/bin/go; then GO=/usr/local/go/bin/go
-  else die "Go >= $need not found (have: ${GO:-none}${GO:+ $("$GO" env GOVERSION)}); install Go $need or newer"
-  fi
-fi
-export GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false"
+source "$ROOT/scripts/go-env.sh"
+go_setup "$(awk '$1 == "go" { print $2; exit }' "$MOD/go.mod")"
 
 proxy_error() {
   die "$1 failed: the Go module proxy ($("$GO" env GOPROXY)) could not be reached or refused a module;
@@ -103,7 +95,7 @@ proxy_error() {
 # --- --regen: point the build module at another release ---------------------------------------
 if [[ $mode == regen ]]; then
   log "fetching k8s.io/kubernetes@$REGEN_VERSION"
-  json=$(cd "$MOD" && "$GO" mod download -json "k8s.io/kubernetes@$REGEN_VERSION") || proxy_error "go mod download k8s.io/kubernetes@$REGEN_VERSION"
+  json=$(cd "$MOD" && GOWORK=off "$GO" mod download -json "k8s.io/kubernetes@$REGEN_VERSION") || proxy_error "go mod download k8s.io/kubernetes@$REGEN_VERSION"
   kdir=$(printf '%s' "$json" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
   [[ -f "$kdir/go.mod" ]] || die "no go.mod in $kdir"
   staging_version="v0.${REGEN_VERSION#v1.}"
@@ -120,7 +112,7 @@ if [[ $mode == regen ]]; then
   } > "$tmp"
   mv -f "$tmp" "$MOD/go.mod"
   rm -f "$MOD/go.sum"
-  (cd "$MOD" && GOFLAGS=-mod=mod "$GO" mod tidy) || proxy_error "go mod tidy in $MOD"
+  (cd "$MOD" && GOWORK=off GOFLAGS=-mod=mod "$GO" mod tidy) || proxy_error "go mod tidy in $MOD"
   KUBE_VERSION=$REGEN_VERSION
   log "scripts/kube/go.mod now builds $KUBE_VERSION (etcd $(modver "$MOD/go.mod" go.etcd.io/etcd/server/v3)); commit go.mod and go.sum"
 fi
@@ -130,7 +122,7 @@ KWOK_VERSION=$(modver "$KWOK_MOD/go.mod" sigs.k8s.io/kwok)
 [[ -n "$ETCD_VERSION" && -n "$KWOK_VERSION" ]] || die "etcd or kwok version missing from the build modules"
 BIN="$CACHE/kube-$KUBE_VERSION/bin"
 TARGETS=(kube-apiserver kube-controller-manager kube-scheduler etcd kwok)
-sum=$(cat "$MOD/go.mod" "$MOD/go.sum" "$KWOK_MOD/go.mod" "$KWOK_MOD/go.sum" | sha256sum | cut -c1-16)
+sum=$(go_workspace_sum)
 STAMP="kubernetes=$KUBE_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION modules=$sum level=$BUILD_LEVEL"
 
 stamped() {      # stamped DIR STAMP: DIR was built for exactly STAMP
@@ -154,7 +146,7 @@ STAGES=(node/fast/node-initialize.yaml node/heartbeat/node-heartbeat.yaml
         pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml)
 write_stages() {
   local dir f
-  dir=$(cd "$KWOK_MOD" && "$GO" list -m -f '{{.Dir}}' sigs.k8s.io/kwok) || proxy_error "go list -m sigs.k8s.io/kwok"
+  dir=$(go_in "$KWOK_MOD" list -m -f '{{.Dir}}' sigs.k8s.io/kwok) || proxy_error "go list -m sigs.k8s.io/kwok"
   {
     echo "# kwok $KWOK_VERSION stages (scripts/build-kube-current.sh): ${STAGES[*]}"
     for f in "${STAGES[@]}"; do
@@ -167,7 +159,7 @@ write_stages() {
 build_kube() {
 if have_all; then
   if [[ ! -s "$BIN/kwok-stages.yaml" ]]; then
-    (cd "$KWOK_MOD" && "$GO" mod download) || proxy_error "go mod download in scripts/kube/kwok"
+    go_in "$KWOK_MOD" mod download sigs.k8s.io/kwok || proxy_error "go mod download sigs.k8s.io/kwok"
     write_stages
   fi
   log "cached: $BIN ($STAMP; delete $BIN/.stamp to rebuild)"
@@ -178,11 +170,7 @@ local t0 got etcd_says t
 t0=$(date +%s)
 log "building $STAMP with $("$GO" env GOVERSION) into $BIN"
 
-# --- 1. modules (the only network step) ---------------------------------------------------------
-(cd "$MOD" && "$GO" mod download) || proxy_error "go mod download in scripts/kube"
-(cd "$KWOK_MOD" && "$GO" mod download) || proxy_error "go mod download in scripts/kube/kwok"
-
-# --- 2. build -------------------------------------------------------------------------------------
+# --- 1. build (go build fetches the modules it needs: the only network step) ---------------------
 minor=${KUBE_VERSION#v1.}; minor=${minor%%.*}
 LDFLAGS="-s -w"
 for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
@@ -194,16 +182,16 @@ OUT="$BIN/.build.$$"
 rm -rf "$OUT"; mkdir -p "$OUT"
 trap 'rm -rf "${OUT:-}"' EXIT
 log "go build kube-apiserver kube-controller-manager kube-scheduler etcd (about 13 min cold on 2 cores, 30 s with a warm Go build cache)"
-(cd "$MOD" && CGO_ENABLED=0 "$GO" build -trimpath -ldflags "$LDFLAGS" -o "$OUT/" \
+go_in "$MOD" build -trimpath -ldflags "$LDFLAGS" -o "$OUT/" \
    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-   k8s.io/kubernetes/cmd/kube-scheduler go.etcd.io/etcd/server/v3) || die "go build in scripts/kube failed (see above)"
+   k8s.io/kubernetes/cmd/kube-scheduler go.etcd.io/etcd/server/v3 || die "go build in scripts/kube failed (see above)"
 # go names the etcd server module's main package (go.etcd.io/etcd/server/v3) "server"
 mv -f "$OUT/server" "$OUT/etcd"
 log "go build kwok"
-(cd "$KWOK_MOD" && CGO_ENABLED=0 "$GO" build -trimpath -ldflags "-s -w" -o "$OUT/kwok" sigs.k8s.io/kwok/cmd/kwok) \
+go_in "$KWOK_MOD" build -trimpath -ldflags "-s -w" -o "$OUT/kwok" sigs.k8s.io/kwok/cmd/kwok \
   || die "go build in scripts/kube/kwok failed (see above)"
 
-# --- 3. check and install atomically ------------------------------------------------------------
+# --- 2. check and install atomically ------------------------------------------------------------
 got=$("$OUT/kube-apiserver" --version) || die "the built kube-apiserver does not run"
 [[ "$got" == "Kubernetes $KUBE_VERSION" ]] || die "kube-apiserver --version says '$got', expected 'Kubernetes $KUBE_VERSION'"
 etcd_says=$("$OUT/etcd" --version) || die "the built etcd does not run"
@@ -231,14 +219,14 @@ build_kueue() {
   local t0 src f
   t0=$(date +%s)
   log "building $KUEUE_STAMP with $("$GO" env GOVERSION) into $KUEUE_DIR"
-  (cd "$KUEUE_MOD" && "$GO" mod download) || proxy_error "go mod download in scripts/kube/kueue"
-  src=$(cd "$KUEUE_MOD" && "$GO" list -m -f '{{.Dir}}' sigs.k8s.io/kueue) || proxy_error "go list -m sigs.k8s.io/kueue"
+  go_download "$KUEUE_MOD" || proxy_error "go mod download in scripts/kube/kueue"
+  src=$(go_in "$KUEUE_MOD" list -m -f '{{.Dir}}' sigs.k8s.io/kueue) || proxy_error "go list -m sigs.k8s.io/kueue"
   OUT="$KUEUE_DIR/.build.$$"
   rm -rf "$OUT"; mkdir -p "$OUT/bin"
   log "go build kueue (about 8 min cold on 2 cores, seconds with a warm Go build cache)"
-  (cd "$KUEUE_MOD" && CGO_ENABLED=0 "$GO" build -trimpath \
+  go_in "$KUEUE_MOD" build -trimpath \
      -ldflags "-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION" \
-     -o "$OUT/bin/kueue" sigs.k8s.io/kueue/cmd/kueue) || die "go build in scripts/kube/kueue failed (see above)"
+     -o "$OUT/bin/kueue" sigs.k8s.io/kueue/cmd/kueue || die "go build in scripts/kube/kueue failed (see above)"
   "$OUT/bin/kueue" --help >/dev/null 2>&1 || die "the built kueue does not run"
   for f in "$src"/config/components/crd/bases/*.yaml; do
     printf -- '---\n# %s\n' "${f##*/}"; grep -v '^---$' "$f"
@@ -271,8 +259,8 @@ build_scheduler_plugins() {
   local t0 src crd
   t0=$(date +%s)
   log "building $SP_STAMP with $("$GO" env GOVERSION) into $SP_DIR"
-  (cd "$SP_MOD" && "$GO" mod download) || proxy_error "go mod download in scripts/kube/scheduler-plugins"
-  src=$(cd "$SP_MOD" && "$GO" list -m -f '{{.Dir}}' sigs.k8s.io/scheduler-plugins) \
+  go_download "$SP_MOD" || proxy_error "go mod download in scripts/kube/scheduler-plugins"
+  src=$(go_in "$SP_MOD" list -m -f '{{.Dir}}' sigs.k8s.io/scheduler-plugins) \
     || proxy_error "go list -m sigs.k8s.io/scheduler-plugins"
   crd="$src/config/crd/bases/scheduling.x-k8s.io_podgroups.yaml"
   [[ -f "$crd" ]] || die "scheduler-plugins $SP_VERSION has no config/crd/bases/scheduling.x-k8s.io_podgroups.yaml"
@@ -291,8 +279,8 @@ build_scheduler_plugins() {
   for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ldflags+=" -X $pkg.gitVersion=$kver -X $pkg.gitMajor=1 -X $pkg.gitMinor=$kminor -X $pkg.gitTreeState=clean"
   done
-  (cd "$SP_MOD" && CGO_ENABLED=0 "$GO" build -trimpath -ldflags "$ldflags" \
-     -o "$OUT/bin/kube-scheduler" sigs.k8s.io/scheduler-plugins/cmd/scheduler) \
+  go_in "$SP_MOD" build -trimpath -ldflags "$ldflags" \
+     -o "$OUT/bin/kube-scheduler" sigs.k8s.io/scheduler-plugins/cmd/scheduler \
     || die "go build in scripts/kube/scheduler-plugins failed (see above)"
   got=$("$OUT/bin/kube-scheduler" --version) || die "the built scheduler-plugins kube-scheduler does not run"
   [[ "$got" == "Kubernetes $kver" ]] || die "scheduler-plugins kube-scheduler --version says '$got', expected 'Kubernetes $kver'"

@@ -49,18 +49,11 @@ if [[ $mode == print ]]; then
   exit 0
 fi
 
-# --- Go (the same choice as build-kube-current.sh) ---------------------------------------------
-GO=$(command -v go || true)
-need=$(awk '$1 == "go" { print $2; exit }' "$MOD/go.mod")
-go_ok() { [[ -x "$1" ]] && [[ "$(printf '%s\n%s\n' "$need" "$("$1" env GOVERSION | sed 's/^go//')" | sort -V | head -n1)" == "$need" ]]; }
-if [[ -z "$GO" ]] || ! go_ok "$GO"; then
-  if go_ok /usr/local/go/bin/go; then GO=/usr/local/go/bin/go
-  else die "Go >= $need not found (have: ${GO:-none}${GO:+ $("$GO" env GOVERSION)}); install Go $need or newer"
-  fi
-fi
-export GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false"
+# --- Go (scripts/go-env.sh) ---------------------------------------------------------------------
+source "$ROOT/scripts/go-env.sh"
+go_setup "$(awk '$1 == "go" { print $2; exit }' "$MOD/go.mod")"
 
-sum=$(cat "$MOD/go.mod" "$MOD/go.sum" | sha256sum | cut -c1-16)
+sum=$(go_workspace_sum)
 STAMP="prometheus=$RELEASE module=$MODULE_VERSION modules=$sum level=$BUILD_LEVEL"
 
 have_all() {
@@ -84,8 +77,8 @@ trap 'rm -rf "${OUT:-}"' EXIT
 log "go build prometheus promtool (3 min 18 s with an empty Go build cache on 2 cores, seconds with a warm one)"
 LDFLAGS="-s -w -X github.com/prometheus/common/version.Version=$RELEASE"
 LDFLAGS+=" -X github.com/prometheus/common/version.Branch=HEAD -X github.com/prometheus/common/version.Revision=$MODULE_VERSION"
-(cd "$MOD" && CGO_ENABLED=0 "$GO" build -trimpath -tags remove_all_sd -ldflags "$LDFLAGS" -o "$OUT/" \
-   github.com/prometheus/prometheus/cmd/prometheus github.com/prometheus/prometheus/cmd/promtool) \
+go_in "$MOD" build -trimpath -tags remove_all_sd -ldflags "$LDFLAGS" -o "$OUT/" \
+   github.com/prometheus/prometheus/cmd/prometheus github.com/prometheus/prometheus/cmd/promtool \
   || die "go build in scripts/prometheus failed (see above; a module the proxy could not serve shows there)"
 
 for t in "${TARGETS[@]}"; do

@@ -7,7 +7,8 @@
 #                         scripts/kube/go.mod's: checked here, `--regen` rewrites it from that one)
 #   containerd 2.x        github.com/containerd/containerd/v2: containerd, containerd-shim-runc-v2,
 #                         ctr (CGO_ENABLED=0), build module scripts/node/containerd
-#   CoreDNS               github.com/coredns/coredns, build module scripts/node/coredns
+#   CoreDNS               github.com/coredns/coredns with the plugins the Corefile uses
+#                         (scripts/node/coredns/main.go), build module scripts/node/coredns
 #   kube-router           github.com/cloudnativelabs/kube-router/v2 (NetworkPolicy enforcement,
 #                         firewall-only), build module scripts/node/kube-router
 #   pause                 a static pause (scripts/cluster/pause.c, Debian's gcc) and its image
@@ -91,15 +92,8 @@ if ((${#missing[@]})); then
 fi
 
 # --- Go ---------------------------------------------------------------------------------------
-GO=$(command -v go || true)
-need=$(awk '$1 == "go" { print $2; exit }' "$CMOD/go.mod")
-go_ok() { [[ -x "$1" ]] && [[ "$(printf '%s\n%s\n' "$need" "$("$1" env GOVERSION | sed 's/^go//')" | sort -V | head -n1)" == "$need" ]]; }
-if [[ -z "$GO" ]] || ! go_ok "$GO"; then
-  if go_ok /usr/local/go/bin/go; then GO=/usr/local/go/bin/go
-  else die "Go >= $need not found (have: ${GO:-none}); install Go $need or newer into /usr/local/go"
-  fi
-fi
-export GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false"
+source "$ROOT/scripts/go-env.sh"
+go_setup "$(awk '$1 == "go" { print $2; exit }' "$CMOD/go.mod")"
 proxy_error() {
   die "$1 failed: the Go module proxy ($("$GO" env GOPROXY)) could not be reached or refused a module (see above).
   Modules are fetched once into $("$GO" env GOMODCACHE); later builds need no network."
@@ -116,7 +110,7 @@ if [[ $mode == regen ]]; then
   } > "$NMOD/go.mod.tmp"
   mv -f "$NMOD/go.mod.tmp" "$NMOD/go.mod"
   cp "$KMOD/go.sum" "$NMOD/go.sum"
-  (cd "$NMOD" && GOFLAGS=-mod=mod "$GO" mod tidy) || proxy_error "go mod tidy in scripts/node/kube"
+  (cd "$NMOD" && GOWORK=off GOFLAGS=-mod=mod "$GO" mod tidy) || proxy_error "go mod tidy in scripts/node/kube"
   NODE_KUBE_VERSION=$(modver "$NMOD/go.mod" k8s.io/kubernetes)
   log "scripts/node/kube/go.mod now builds $NODE_KUBE_VERSION; commit go.mod and go.sum"
 fi
@@ -135,14 +129,14 @@ build_part() {
   fi
   t0=$(date +%s)
   log "building $name ($stamp) with $("$GO" env GOVERSION) into $bin"
-  (cd "$mod" && "$GO" mod download) || proxy_error "go mod download in ${mod#"$ROOT"/}"
+  go_download "$mod" || proxy_error "go mod download in ${mod#"$ROOT"/}"
   out="$bin/.build.$$"
   rm -rf "$out"; mkdir -p "$out"
   trap 'rm -rf "${out:-}"' EXIT
   for tp in $targets; do
     o=${tp%%=*}; p=${tp#*=}
     log "go build $p -> $o"
-    (cd "$mod" && CGO_ENABLED=0 nice -n 10 "$GO" build -trimpath -ldflags "$ldflags" -o "$out/$o" "$p") \
+    GO_NICE=10 go_in "$mod" build -trimpath -ldflags "$ldflags" -o "$out/$o" "$p" \
       || die "go build $p in ${mod#"$ROOT"/} failed (see above)"
   done
   (cd "$out" && eval "$check") >/dev/null 2>&1 || die "the built $name does not run ($check)"
@@ -155,15 +149,15 @@ build_part() {
 # --- containerd 2.x -------------------------------------------------------------------------------
 CPKG=github.com/containerd/containerd/v2
 build_part "containerd $CONTAINERD_VERSION" "$CBIN" \
-  "containerd=$CONTAINERD_VERSION modules=$(modsum "$CMOD/go.mod" "$CMOD/go.sum") level=$BUILD_LEVEL" "$CMOD" \
+  "containerd=$CONTAINERD_VERSION modules=$(go_workspace_sum) level=$BUILD_LEVEL" "$CMOD" \
   "-s -w -X $CPKG/version.Version=$CONTAINERD_VERSION -X $CPKG/version.Package=$CPKG" \
   "containerd=$CPKG/cmd/containerd containerd-shim-runc-v2=$CPKG/cmd/containerd-shim-runc-v2 ctr=$CPKG/cmd/ctr" \
   "./containerd --version | grep -q ' $CONTAINERD_VERSION' && ./ctr --version"
 
 # --- CoreDNS --------------------------------------------------------------------------------------
 build_part "coredns $COREDNS_VERSION" "$DBIN" \
-  "coredns=$COREDNS_VERSION modules=$(modsum "$DMOD/go.mod" "$DMOD/go.sum") level=$BUILD_LEVEL" "$DMOD" \
-  "-s -w" "coredns=github.com/coredns/coredns" "./coredns -version | grep -q 'CoreDNS-${COREDNS_VERSION#v}'"
+  "coredns=$COREDNS_VERSION modules=$(go_workspace_sum)-$(modsum "$DMOD/main.go") level=$BUILD_LEVEL" "$DMOD" \
+  "-s -w" "coredns=." "./coredns -version | grep -q 'CoreDNS-${COREDNS_VERSION#v}'"
 
 # --- kubelet + kube-proxy -------------------------------------------------------------------------
 minor=${KUBE_VERSION#v1.}; minor=${minor%%.*}
@@ -172,7 +166,7 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   KLDFLAGS+=" -X $pkg.gitVersion=$KUBE_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
 done
 build_part "kubelet+kube-proxy $KUBE_VERSION" "$KBIN" \
-  "kubernetes=$KUBE_VERSION modules=$(modsum "$NMOD/go.mod" "$NMOD/go.sum") level=$BUILD_LEVEL" "$NMOD" "$KLDFLAGS" \
+  "kubernetes=$KUBE_VERSION modules=$(go_workspace_sum) level=$BUILD_LEVEL" "$NMOD" "$KLDFLAGS" \
   "kubelet=k8s.io/kubernetes/cmd/kubelet kube-proxy=k8s.io/kubernetes/cmd/kube-proxy" \
   "./kubelet --version | grep -qx 'Kubernetes $KUBE_VERSION' && ./kube-proxy --version | grep -qx 'Kubernetes $KUBE_VERSION'"
 
