@@ -34,11 +34,12 @@ go_members() {
     | sed "s|^\./|$ROOT/scripts/|"
 }
 
-# go_workspace_sum: what every member's build list depends on (go.work, go.work.sum, every member's
-# go.mod and go.sum): part of each member's cache stamp.
+# go_workspace_sum: what every member's build list depends on (go.work and every member's go.mod
+# and go.sum): part of each member's cache stamp. Not go.work.sum: it holds only checksums of what
+# those select, and the go command appends to it while it builds.
 go_workspace_sum() {
   local m
-  { cat "$GO_WORK" "$GO_WORK.sum"
+  { cat "$GO_WORK"
     while read -r m; do cat "$m/go.mod" "$m/go.sum"; done < <(go_members)
   } | sha256sum | cut -c1-16
 }

@@ -300,7 +300,9 @@ def scenario_lifecycle(r: Run) -> None:
     recreated, with the fleet identity Secret of the new restart generation, the old one's deleted);
     exit 0 -> Succeeded; ttlSecondsAfterFinished 0 -> the job is deleted."""
     name = "life"
-    r.create_job(name, runPolicy={"ttlSecondsAfterFinished": 0})
+    # two ranks in the one pod: its drafters form a fleet, so each generation gets its identity
+    r.create_job(name, runPolicy={"ttlSecondsAfterFinished": 0},
+                 target={"procsPerNode": 2, "parallelism": {"data": 2, "pipeline": 1}})
     pods = r.expect(lambda: r.pods(name), "the job's pod")
     for kind, child in (("ConfigMap", f"{name}-config"), ("Service", name), ("ServiceAccount", f"{name}-status"),
                         ("Role", f"{name}-status"), ("RoleBinding", f"{name}-status")):

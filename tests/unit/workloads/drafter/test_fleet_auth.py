@@ -24,6 +24,8 @@ from spectrain_api.names import (
     ENV_JOB_UID,
     ENV_POD_IPS,
     ENV_RESTART_GENERATION,
+    IDLE_ONLY,
+    OFF,
 )
 from spectrain_workloads.drafter import auth, listener
 from spectrain_workloads.drafter.admission import Limits
@@ -127,11 +129,11 @@ def test_the_sidecar_needs_a_key_and_the_pods_addresses(tmp_path: Path, monkeypa
     monkeypatch.delenv("SPECTRAIN_DRAFTER_BIND", raising=False)
     monkeypatch.delenv(ENV_POD_IPS, raising=False)
     with pytest.raises(ConfigError, match=ENV_POD_IPS):
-        _fleet(cfg, 0, 2, 1)                          # never every interface by default
+        _fleet(cfg, 0, 2, 1, IDLE_ONLY)                          # never every interface by default
     monkeypatch.setenv(ENV_POD_IPS, "127.0.0.1")
     monkeypatch.delenv(ENV_FLEET_KEY_FILE, raising=False)
     with pytest.raises(ConfigError, match=f"{ENV_FLEET_KEY_FILE} is not set.*Secret"):
-        _fleet(cfg, 0, 2, 1)
+        _fleet(cfg, 0, 2, 1, IDLE_ONLY)
     (tmp_path / "key").write_text(KEY.hex())
     (tmp_path / "key").chmod(0o600)
     monkeypatch.setenv(ENV_FLEET_KEY_FILE, str(tmp_path / "key"))
@@ -139,25 +141,25 @@ def test_the_sidecar_needs_a_key_and_the_pods_addresses(tmp_path: Path, monkeypa
     for name in (ENV_FLEET_IDENTITY_FILE, ENV_FLEET_PEERS_FILE, ENV_JOB_UID, ENV_RESTART_GENERATION):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match=f"{ENV_FLEET_IDENTITY_FILE} is not set"):
-        _fleet(cfg, 0, 2, 1)
+        _fleet(cfg, 0, 2, 1, IDLE_ONLY)
     monkeypatch.setenv(ENV_JOB_UID, "uid-1")
     stale = write_identities(tmp_path / "stale", 2, "uid-1", generation=1)     # the previous generation's
     for name, path in stale[0].items():
         monkeypatch.setenv(name, path)
     with pytest.raises(ConfigError, match=f"restart generation 1, this pod's is 0.*{ENV_FLEET_PEERS_FILE}|"
                                           f"{ENV_FLEET_PEERS_FILE}.*restart generation 1, this pod's is 0"):
-        _fleet(cfg, 0, 2, 1)
+        _fleet(cfg, 0, 2, 1, IDLE_ONLY)
     ids = write_identities(tmp_path / "ids", 2, "uid-1")
     monkeypatch.setenv(ENV_FLEET_IDENTITY_FILE, ids[1][ENV_FLEET_IDENTITY_FILE])      # another pod's Secret
     monkeypatch.setenv(ENV_FLEET_PEERS_FILE, ids[0][ENV_FLEET_PEERS_FILE])
     with pytest.raises(ConfigError, match=f"{ENV_FLEET_IDENTITY_FILE}.*not the key {ENV_FLEET_PEERS_FILE} lists for rank 0"):
-        _fleet(cfg, 0, 2, 1)
+        _fleet(cfg, 0, 2, 1, IDLE_ONLY)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")                                    # 2 pods of 2 ranks
     with pytest.raises(ConfigError, match=f"{ENV_FLEET_PEERS_FILE} lists 2 pods x 1 local ranks, but WORLD_SIZE is 4"):
-        _fleet(cfg, 0, 4, 3)
+        _fleet(cfg, 0, 4, 3, IDLE_ONLY)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv(ENV_FLEET_IDENTITY_FILE, ids[0][ENV_FLEET_IDENTITY_FILE])
-    fleet = _fleet(cfg, 0, 2, 1)
+    fleet = _fleet(cfg, 0, 2, 1, IDLE_ONLY)
     try:
         assert fleet.server.socks[0].getsockname()[0] == "127.0.0.1" and fleet.ident.key == KEY
         assert fleet.ident.pod is not None and fleet.ident.pod.peers.public_key(1) != fleet.ident.pod.public
@@ -167,17 +169,23 @@ def test_the_sidecar_needs_a_key_and_the_pods_addresses(tmp_path: Path, monkeypa
     # engine AllReduce: the store on the exporting rank's pod, after its drafter ports (one per local rank)
     ex.engine = "AllReduce"
     monkeypatch.delenv(ENV_DRAFTER_STORE, raising=False)
-    fleet = _fleet(cfg, 0, 2, 1)
+    fleet = _fleet(cfg, 0, 2, 1, IDLE_ONLY)
     try:
         assert not fleet.star and fleet.cfg.store == ("127.0.0.1", b + 1)
     finally:
         fleet.close()
     monkeypatch.setenv(ENV_DRAFTER_STORE, "[::1]:7000")
-    fleet = _fleet(cfg, 0, 2, 1)
+    fleet = _fleet(cfg, 0, 2, 1, IDLE_ONLY)
     try:
         assert fleet.cfg.store == ("::1", 7000)
     finally:
         fleet.close()
+    # no fleet where fleet_in_use says none (the operator mints no identity for those): activation
+    # Off, the exchange disabled, a single rank; nothing is read, so the missing files do not matter
+    monkeypatch.delenv(ENV_FLEET_IDENTITY_FILE)
+    assert _fleet(cfg, 0, 2, 1, OFF) is None and _fleet(cfg, 0, 1, 0, IDLE_ONLY) is None
+    ex.enabled = False
+    assert _fleet(cfg, 0, 2, 1, IDLE_ONLY) is None
 
 
 def test_the_store_follows_the_exporting_ranks_pod() -> None:
