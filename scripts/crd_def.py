@@ -65,6 +65,11 @@ def o(desc: str, props: dict[str, Any] | None = None, *, required: list[str] | N
     return out
 
 
+def counts(desc: str, each: str, causes: tuple[str, ...]) -> dict[str, Any]:
+    """An object of non-negative counts, one integer per cause (`each`: the count's description)."""
+    return o(desc, {c: i(f"{each}: {c}.", minimum=0) for c in causes})
+
+
 def a(desc: str, items: dict[str, Any], **kw: Any) -> dict[str, Any]:
     return {"type": "array", "description": desc, "items": items, **kw}
 
@@ -588,18 +593,16 @@ def status_schema() -> dict[str, Any]:
             "reportFieldsRefused": i("Fields of the pods' drafter reports ignored in the last pass (not a state, "
                                      "a number out of range, an artifact not from the exporting rank or not "
                                      "under the export path): Event DrafterReportRefused names them.", minimum=0),
-            "exportsRejectedByCause": o("Candidate exports the export gate kept from LATEST, by cause: below_latest "
-                                        "(under LATEST re-measured on the same held-back samples), below_floor "
-                                        "(under spec.drafter.export.minAcceptance), non_finite, unmeasured, "
-                                        "version_reused.",
-                                        {c: i(f"Candidates rejected: {c}.", minimum=0)
-                                         for c in C.EXPORT_REJECT_CAUSES}),
-            "combineAdjustedByCause": o("Contributions the fleet's robust combine adjusted, by cause (the "
-                                        "coordinator's counts): work_capped (claimed work above the rate of the "
-                                        "coordinator's own clock), outlier_clipped (an update far from the "
-                                        "round's median), weight_capped (a rank's weight in a round bounded).",
-                                        {c: i(f"Contributions adjusted: {c}.", minimum=0)
-                                         for c in C.COMBINE_ADJUST_CAUSES}),
+            "exportsRejectedByCause": counts("Candidate exports the export gate kept from LATEST, by cause: "
+                                             "below_latest (under LATEST re-measured on the same held-back "
+                                             "samples), below_floor (under spec.drafter.export.minAcceptance), "
+                                             "non_finite, unmeasured, version_reused.",
+                                             "Candidates rejected", C.EXPORT_REJECT_CAUSES),
+            "combineAdjustedByCause": counts("Contributions the fleet's robust combine adjusted, by cause (the "
+                                             "coordinator's counts): work_capped (claimed work above the rate of "
+                                             "the coordinator's own clock), outlier_clipped (an update far from "
+                                             "the round's median), weight_capped (a rank's weight in a round "
+                                             "bounded).", "Contributions adjusted", C.COMBINE_ADJUST_CAUSES),
         }),
     })
 

@@ -67,10 +67,9 @@ def artifact_ok(value: str, export_dir: str) -> bool:
 def checked_drafter_report(report: dict[str, Any], *, exporting: bool, export_dir: str,
                            max_harvest_s: float) -> tuple[dict[str, Any], list[Refusal]]:
     """The fields of one pod's drafter report the operator may use (state, harvestedSeconds,
-    harvestEfficiency, acceptanceLength, artifact, reason, exportsRejectedByCause, combineAdjustedByCause) and the
-    refused ones. `exporting`: the
-    pod is the exporting rank's; `max_harvest_s`: the most idle time its ranks can have harvested
-    (local ranks x the job's age)."""
+    harvestEfficiency, acceptanceLength, artifact, reason, exportsRejectedByCause, combineAdjustedByCause)
+    and the refused ones. `exporting`: the pod is the exporting rank's; `max_harvest_s`: the most idle
+    time its ranks can have harvested (local ranks x the job's age)."""
     out: dict[str, Any] = {}
     refused: list[Refusal] = []
     state = report.get("state")
