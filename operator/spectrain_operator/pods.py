@@ -189,3 +189,10 @@ def target_exit_code(pod: Obj) -> int | None:
 
 def pod_succeeded(pod: Obj) -> bool:
     return target_exit_code(pod) == 0 or phase(pod) == "Succeeded"
+
+
+def pod_completed(pod: Obj) -> bool:
+    """The target exited 0 and the pod has finished: its drafter sidecar was stopped by the kubelet
+    after the target and had its shutdown (the last combined version exported, the last report
+    written) within the grace period. The kubelet ends the pod either way, so this always comes."""
+    return pod_succeeded(pod) and is_finished(pod)

@@ -20,7 +20,7 @@ concern per module; the first that applies, in this order, settles the phase (AP
    the status path and then idle); the next restart the job needs anyway builds pods without it
    (drafter). Exits with EXIT_PEER_FRAME (a peer's frame ended the drafter) are counted apart
    (drafterPeerFailures);
-7. Succeeded when every target container exited 0 (lifecycle);
+7. Succeeded when every target container exited 0 and its pod has finished (lifecycle);
 8. pods deleted or evicted by someone else: an immediate restart, not counted against
    maxRestarts (restart); whatever the phase, a deleted pod whose kubelet never confirmed it (a
    lost node) is force-deleted once well past its grace period (restart.force_overdue);

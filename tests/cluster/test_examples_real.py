@@ -24,6 +24,7 @@ import pytest
 
 from spectrain_api import rundir
 from tests.cluster.stack import ROOT, Stack
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
 
@@ -93,15 +94,27 @@ def _trained(stack: Stack, job: dict[str, Any], ranks: int) -> dict[int, dict[st
         return {}
     summaries = {r: json.loads(p.read_text()) for r, p in rundir.drafter_summaries(job["volume"])}
     assert sorted(summaries) == list(range(ranks)), (summaries.keys(), why)
-    # every rank's drafter ran to the end; the samples each trained depend on its idle windows (the
+    # Succeeded comes once the pods have finished, so every rank's drafter has had its shutdown (the
+    # last round, export and summary); the samples each trained depend on its idle windows (the
     # first pipeline stage of hf-tiny sees mostly windows too short to work in: 14 samples on an
     # idle machine, none under load), so the job as a whole must have trained, not each rank
-    assert all(s["reason"] == "Stopped" for s in summaries.values()), summaries
+    ends = {r: (s.get("state"), s.get("reason")) for r, s in summaries.items()}
+    assert all(reason == "Stopped" for _, reason in ends.values()), (ends, _drafter_tails(job["volume"]), why)
     assert sum(s["samplesTrained"] for s in summaries.values()) > 0, summaries
     print(name, "samples trained by rank", {r: s["samplesTrained"] for r, s in summaries.items()})
-    exported = job["volume"] / st["drafter"]["artifact"].removeprefix(RUN_MOUNT)
+    # the status names the final export (LATEST); the drafter's last report reaches it before its
+    # process exits, the operator may write it one event after the phase
+    latest = RUN_MOUNT + "drafter/" + (job["volume"] / "drafter" / "LATEST").read_text().strip()
+    wait_for(lambda: stack.status(name)["drafter"].get("artifact") == latest, 30, 0.5,
+             f"status.drafter.artifact {latest} (is {stack.status(name)['drafter'].get('artifact')})")
+    exported = job["volume"] / latest.removeprefix(RUN_MOUNT)
     assert (exported / "config.json").is_file(), exported
     return summaries
+
+
+def _drafter_tails(volume: Path) -> dict[int, list[str]]:
+    """Each rank's last drafter events (its metrics log on the run volume): how its shutdown went."""
+    return {r: p.read_text().splitlines()[-12:] for r, p in rundir.drafter_metrics_files(volume)}
 
 
 def test_hf_tiny_trains_and_spectrain_generate_loads_the_export_from_the_volume(stack: Stack, jobs: dict) -> None:

@@ -9,8 +9,8 @@ most every 10 s per kind (`flush=True` forces it, e.g. for the last report; one 
 PATCH of its kind is in flight is sent right after it, not dropped). The pod's Role (the operator's
 access.status_rbac) allows exactly that: `patch` on its own job's status and `get` on its job, nothing
 of any pod. The PATCH runs on a background thread and never raises into the training loop: failures
-are logged once and dropped. `job_status()` reads the job's status back (the drafter's control asks
-it whether the operator disabled it). Torch-free.
+are logged once and dropped; `drain()` before exiting waits for the last one. `job_status()` reads
+the job's status back (the drafter's control asks it whether the operator disabled it). Torch-free.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 REQUEST_TIMEOUT_S = 5.0
 
 log = logging.getLogger("spectrain.podstatus")
-_lock = threading.Lock()
+_lock = threading.Condition()          # guards the three below; notified when a kind's PATCHes are done
 _last_patch: dict[str, float] = {}
 _in_flight: set[str] = set()
 _flushed: dict[str, dict[str, Any]] = {}   # report kind -> a flushed payload waiting for the in-flight PATCH
@@ -135,6 +135,7 @@ def _patch(kind: str, payload: dict[str, Any] | None) -> None:
             payload = _flushed.pop(kind, None)
             if payload is None:
                 _in_flight.discard(kind)
+                _lock.notify_all()
             else:
                 _last_patch[kind] = time.monotonic()
 
@@ -173,6 +174,14 @@ def _maybe_patch(kind: str, payload: dict[str, Any], flush: bool) -> bool:
         _in_flight.add(kind)
     threading.Thread(target=_patch, args=(kind, payload), name="spectrain-podstatus", daemon=True).start()
     return True
+
+
+def drain(timeout_s: float = 2 * REQUEST_TIMEOUT_S) -> bool:
+    """Wait (at most `timeout_s`) until no PATCH is in flight or waiting: a process calls it before it
+    exits, so its last (flushed) report reaches the job's status rather than dying with the daemon
+    thread. True when everything was sent (or given up on by `_send`)."""
+    with _lock:
+        return _lock.wait_for(lambda: not _in_flight, timeout_s)
 
 
 def report_progress(progress: dict[str, Any], *, flush: bool = False) -> None:

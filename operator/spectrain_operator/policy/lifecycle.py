@@ -96,9 +96,10 @@ def resume(ctx: Context) -> None:
 
 
 def succeeded(ctx: Context) -> Outcome | None:
-    """Succeeded when every node's target container exited 0."""
+    """Succeeded when every node's target container exited 0 and its pod has finished (the
+    drafters' last export and reports are in: status.drafter names the final drafter)."""
     current = ctx.pods.current
-    if len(current) == ctx.nodes and all(podlib.pod_succeeded(p) for p in current.values()):
+    if len(current) == ctx.nodes and all(podlib.pod_completed(p) for p in current.values()):
         return finish(ctx, True, "Completed", f"all {ctx.nodes} target container(s) exited 0", [])
     return None
 

@@ -567,6 +567,22 @@ def test_all_targets_exit_zero_is_succeeded_and_terminal() -> None:
     assert later.status["phase"] == "Succeeded" and later.create_nodes == []
 
 
+def test_succeeded_waits_for_the_pods_to_finish_so_the_drafters_last_export_is_in() -> None:
+    """The targets exited 0 but the kubelet is still stopping the drafter sidecars (their final
+    combine, export and report): Running; Succeeded once the pods have finished."""
+    j = job(created_status())
+    shutting_down = [pod(j, n, phase="Running", target=exited(0), drafter={"state": {"running": {}}})
+                     for n in range(2)]
+    plan = st.decide(j, shutting_down, NOW)
+    assert plan.status["phase"] == "Running" and cond(plan, "Succeeded") is None, plan.status
+    j["status"] = plan.status
+    finished = [pod(j, n, phase="Succeeded", target=exited(0)) for n in range(2)]
+    finished[1] = pod(j, 1, phase="Running", target=exited(0), drafter={"state": {"running": {}}})
+    assert st.decide(j, finished, NOW).status["phase"] == "Running"
+    finished[1] = pod(j, 1, phase="Succeeded", target=exited(0))
+    assert st.decide(j, finished, NOW).status["phase"] == "Succeeded"
+
+
 def test_a_job_whose_drafter_never_trained_says_so_once() -> None:
     """Succeeded with the drafter on and 0 s harvested (every drafter waited for target weights that
     never came): condition DrafterNeverTrained naming each rank's state, and one Warning Event."""

@@ -152,3 +152,30 @@ def test_a_report_over_the_bound_is_not_sent_and_says_why(tmp_path: Path, monkey
         assert json.loads(rundir.drafter_summary(tmp_path / "run", 0).read_text())["state"] == "Active"
     finally:
         server.shutdown()
+
+
+def test_drain_waits_for_the_last_report_before_the_process_exits(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PATCH thread is a daemon: a process that exits right after its last report would drop it.
+    `drain` holds the exit until the flushed report is answered, and gives up after its timeout."""
+    seen: list[int] = []
+    release = threading.Event()
+
+    def on_patch(_: BaseHTTPRequestHandler, body: bytes) -> None:
+        release.wait(10)
+        seen.append(json.loads(json.loads(body)["status"]["reports"]["u"]["drafter"])["version"])
+
+    server = api_server(on_patch)
+    where = podstatus.Where(f"http://127.0.0.1:{server.server_port}", "ns", "job", "p", "u", "t")
+    monkeypatch.setattr(podstatus, "_in_cluster", lambda: where)
+    monkeypatch.setenv("SPECTRAIN_RUN_DIR", str(tmp_path / "run"))
+    try:
+        assert podstatus.drain(0.1)                                  # nothing in flight: at once
+        podstatus.report_drafter({"version": 1}, rank=0)
+        podstatus.report_drafter({"version": 2}, rank=0, flush=True)   # queued behind the in-flight one
+        assert not podstatus.drain(0.2) and seen == []                 # the server holds it: not sent yet
+        threading.Timer(0.3, release.set).start()
+        assert podstatus.drain(5.0) and seen == [1, 2]
+    finally:
+        release.set()
+        server.shutdown()

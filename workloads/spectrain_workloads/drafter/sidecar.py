@@ -48,6 +48,7 @@ from spectrain_api.names import (
     ENV_RUN_DIR,
     EXIT_PEER_FRAME,
 )
+from spectrain_workloads import podstatus
 from spectrain_workloads.drafter.control import CONTROL_EVERY_S, REASON_DISABLED, DrafterControl
 
 _QTY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
@@ -144,6 +145,7 @@ def run_worker(local_rank: int, stop: Any = None) -> int:
         if server is not None:
             server.final()      # the last summary (the fleet's last round) reaches Prometheus
             server.stop()
+        podstatus.drain()       # and the job's status (the final export's artifact)
 
 
 def _prometheus(rank: int, local_rank: int) -> tuple[Any, Any]:

@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         write_termination_message(fatal_message(exc))
         sys.exit(exit_code_for(exc))
+    from spectrain_workloads import podstatus
+
+    podstatus.drain()        # the last progress report reaches the job's status before the process goes
     sys.exit(code)
 
 
