@@ -20,6 +20,7 @@ from kubernetes import client
 from spectrain_api import rundir
 from spectrain_api.names import KIND
 from spectrain_operator.builders import MASTER_PORT, TARGET_METRICS_PORT
+from spectrain_operator.objects import fleet_identity_name
 from tests.cluster.stack import GROUP, LEASE_DURATION_S, PLURAL, VERSION, Stack
 from tests.waiting import wait_for
 
@@ -92,17 +93,27 @@ def test_kubectl_get_shows_the_figures(stack: Stack, demo: dict) -> None:
 def test_leader_failover_hands_over_within_the_lease_and_reconciles_a_new_job(stack: Stack) -> None:
     """The chart's 2 operator replicas: SIGKILL the Lease holder's container (no graceful release);
     the other replica holds the Lease within leaseDurationSeconds (+ its retry period) and
-    reconciles a job created after the kill."""
+    reconciles a job created after the kill. That job's drafters run with `activation.policy: Off`
+    (the pod spec without a fleet identity): each sidecar idles, stops when its target is done,
+    and the job is Succeeded once the pods have finished."""
     assert len(stack.operator_pods()) == 2
     _, failover_s = stack.kill_leader()
     stack.apply({"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
                  "metadata": {"name": "after-failover", "namespace": stack.ns},
                  "spec": {"target": {"image": stack.workloads_image, "nodes": 2, "command": ["sh", "-c", "exit 0"],
                                      "parallelism": {"data": 2}},
-                          "drafter": {"enabled": False}, "gpuSharing": {"mode": "None"}}})
+                          "drafter": {"activation": {"policy": "Off"}}, "gpuSharing": {"mode": "None"}}})
     assert failover_s <= LEASE_DURATION_S + 10, failover_s
     stack.wait_phase("after-failover", "Succeeded", 300)
     print(f"leader_failover_s {failover_s:.1f}")
+    for p in stack.pods("after-failover"):
+        why = stack.describe("after-failover")
+        assert p.status.phase == "Succeeded", why
+        (drafter,) = [c for c in p.status.init_container_statuses or [] if c.name == "drafter"]
+        assert drafter.restart_count == 0 and drafter.state.terminated is not None, (drafter, why)
+        secrets = {v.secret.secret_name for v in p.spec.volumes if v.secret is not None}
+        identities = {fleet_identity_name({"metadata": {"name": "after-failover"}}, n, 0) for n in range(2)}
+        assert secrets and not secrets & identities, (secrets, why)
 
 
 RENDEZVOUS = MASTER_PORT            # the target's c10d store
