@@ -28,8 +28,8 @@ help: ## list the targets
 	@printf '%-22sbench/<name>.py (QUICK=1: the <60 s version) -> bench/results/<name>.json; - for _ works too\n' 'bench-<name>'
 	@printf '%-22s%s\n' '' '$(BENCHES:%=bench-%)'
 
-# uv installs from its cache (~/.cache/uv) by hard links: seconds for the multi-GB torch build that
-# pip unpacks in minutes; a first download of everything takes about 20 s here.
+# uv installs from its cache (~/.cache/uv) by hard links, where pip unpacks the multi-GB torch
+# build (CUDA libraries included) every time (figures: README, "Build and test times").
 $(STAMP): pyproject.toml
 	$(PY_BOOT) -m venv $(VENV)
 	$(PIP) install -q "$(UV_PIN)"
@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml
 	  "$(TORCH_PIN)" "$(HF_PIN)" -e '.[operator,workloads,dev]'
 	touch $(STAMP)
 
-install: $(STAMP) ## create .venv with everything (CPU torch pinned)
+install: $(STAMP) ## create .venv with everything (torch and transformers pinned)
 
 test: $(STAMP) kube-binaries prometheus-binaries ## unit tests (on every core), then integration (real kube-apiserver, real Prometheus, real processes, the real cluster)
 	$(PY) -m pytest tests -m "unit" -n $(UNIT_WORKERS) $(PYTEST_ARGS)

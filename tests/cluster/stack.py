@@ -122,8 +122,14 @@ class Stack:
             OPERATOR_NS, label_selector="app.kubernetes.io/name=spectrain-operator").items)
 
     def lease_holder(self) -> str:
-        return str(client.CoordinationV1Api(self.api).read_namespaced_lease(LEASE, OPERATOR_NS).spec.holder_identity
-                   or "")
+        """The Lease's holderIdentity; "" while nobody holds it (or no replica has created it yet)."""
+        try:
+            lease = client.CoordinationV1Api(self.api).read_namespaced_lease(LEASE, OPERATOR_NS)
+        except ApiException as exc:
+            if exc.status == 404:
+                return ""
+            raise
+        return str(lease.spec.holder_identity or "")
 
     def leader_pod(self) -> Any:
         """The operator pod holding the Lease (holderIdentity is <pod name>_<per-process suffix>),

@@ -106,7 +106,7 @@ def _trained(stack: Stack, job: dict[str, Any], ranks: int) -> dict[int, dict[st
     # process exits, the operator may write it one event after the phase
     latest = RUN_MOUNT + "drafter/" + (job["volume"] / "drafter" / "LATEST").read_text().strip()
     wait_for(lambda: stack.status(name)["drafter"].get("artifact") == latest, 30, 0.5,
-             f"status.drafter.artifact {latest} (is {stack.status(name)['drafter'].get('artifact')})")
+             f"status.drafter.artifact to name LATEST ({latest})")
     exported = job["volume"] / latest.removeprefix(RUN_MOUNT)
     assert (exported / "config.json").is_file(), exported
     return summaries
